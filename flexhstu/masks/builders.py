@@ -1,0 +1,220 @@
+"""Builders: pure functions of offsets and a few integers -> func ``(1, NFUNC, total)``.
+
+Each returns its rule's minimal width (fixed by the parameters, never by the
+data, so building needs no device-to-host read when ``total`` is given);
+``nfunc=`` widens with empty intervals, ``nheads=H`` returns a stride-0
+``expand`` view. Rules: DESIGN.md section 3.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._errors import bad_type, bad_value
+from .format import check_nfunc, check_offsets_meta, check_offsets_values, pack_intervals, row_coords, widen
+
+
+def _prepare(seq_offsets: torch.Tensor, total: int | None, check: bool) -> int:
+    check_offsets_meta(seq_offsets)
+    if total is None:
+        total = int(seq_offsets[-1])
+    elif check:
+        check_offsets_values(seq_offsets, total=total)
+    return int(total)
+
+
+def _nonneg(name: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad_type(name, "a non-negative int", type(value).__name__)
+    if value < 0:
+        raise bad_value(name, "a non-negative int", value)
+    return value
+
+
+def _targets_per_row(num_targets: torch.Tensor | None, seq_offsets: torch.Tensor, seq: torch.Tensor, check: bool) -> torch.Tensor:
+    """Per-row T (0 without targets), after checking 0 <= T <= L when allowed to sync."""
+    if num_targets is None:
+        return torch.zeros_like(seq)
+    if not isinstance(num_targets, torch.Tensor):
+        raise bad_type("num_targets", "a (B,) integer tensor", type(num_targets).__name__)
+    nb = seq_offsets.numel() - 1
+    if num_targets.dim() != 1 or num_targets.numel() != nb:
+        raise bad_value("num_targets", f"shape ({nb},)", f"shape {tuple(num_targets.shape)}")
+    if num_targets.dtype.is_floating_point or num_targets.dtype == torch.bool:
+        raise bad_type("num_targets", "an integer tensor", num_targets.dtype)
+    nt = num_targets.to(device=seq.device, dtype=torch.int64)
+    if check:
+        offs = seq_offsets.to(torch.int64)
+        lengths = offs[1:] - offs[:-1]
+        bad = (nt < 0) | (nt > lengths.to(nt.device))
+        if bool(bad.any()):
+            b = int(torch.nonzero(bad)[0, 0])
+            raise bad_value(f"num_targets[{b}]", f"0 <= T <= the sequence length {int(lengths[b])}", int(nt[b]))
+    return nt[seq] if seq.numel() else torch.zeros_like(seq)
+
+
+def _finish(func2d: torch.Tensor, nfunc_min: int, nfunc: int | None, nheads: int) -> torch.Tensor:
+    out = func2d[None]
+    if nfunc is not None:
+        check_nfunc(nfunc)
+        if nfunc < nfunc_min:
+            raise bad_value("nfunc", f"at least this rule's width {nfunc_min}", nfunc)
+        out = widen(out, nfunc)
+    if isinstance(nheads, bool) or not isinstance(nheads, int) or nheads < 1:
+        raise bad_value("nheads", "an int >= 1", nheads)
+    return out.expand(nheads, out.shape[1], out.shape[2]) if nheads > 1 else out
+
+
+def causal(seq_offsets: torch.Tensor, *, total: int | None = None, nfunc: int | None = None, nheads: int = 1) -> torch.Tensor:
+    """Causal mask: row ``i`` sees ``[0, i + 1)``. Width 1."""
+    total = _prepare(seq_offsets, total, check=False)
+    _, i, _ = row_coords(seq_offsets, total)
+    return _finish((i + 1).to(torch.int32)[None], 1, nfunc, nheads)
+
+
+def fixed(
+    seq_offsets: torch.Tensor,
+    *,
+    num_targets: torch.Tensor | None = None,
+    max_attn_len: int = 0,
+    contextual_seq_len: int = 0,
+    min_full_attn_seq_len: int = 0,
+    total: int | None = None,
+    nfunc: int | None = None,
+    nheads: int = 1,
+    _check: bool = True,
+) -> torch.Tensor:
+    """The HSTU valid-mask rule (causal, targets, contextual prefix, window) as intervals.
+
+    Width: 1 for plain causal; 5 with both targets and ``max_attn_len > 0`` (a
+    target row whose window slid past column 0 sees ``[lo, Hb) u {i}``); 3 otherwise.
+
+    Closed form: ``ids`` is non-decreasing, so ``{j : ids(j) < v}`` is a prefix
+    ``[0, first_ge(v))``; the row is ``{i} u A u C`` with ``A = [0 or s, p)``
+    (history before it, cut to the window) and ``C`` the contextual prefix.
+    """
+    w = _nonneg("max_attn_len", max_attn_len)
+    c = _nonneg("contextual_seq_len", contextual_seq_len)
+    fmin = _nonneg("min_full_attn_seq_len", min_full_attn_seq_len)
+    total = _prepare(seq_offsets, total, check=_check)
+    seq, i, length = row_coords(seq_offsets, total)
+    has_t = num_targets is not None
+    t = _targets_per_row(num_targets, seq_offsets, seq, _check)
+    off = c - 1 if c > 0 else 0
+    max_id = length - off - t
+
+    def ids(x: torch.Tensor) -> torch.Tensor:
+        u = (x - off).clamp(min=0)
+        return torch.minimum(u, max_id) if has_t else u
+
+    id_first = ids(torch.zeros_like(i))
+    id_last = ids(length - 1)
+
+    def first_ge(v: torch.Tensor) -> torch.Tensor:
+        mid = (v + off).clamp(0, None)
+        return torch.where(v <= id_first, torch.zeros_like(v), torch.where(v > id_last, length, torch.minimum(mid, length)))
+
+    cur = ids(i)
+    p = first_ge(cur)
+    if w > 0:
+        full = (cur >= max_id - fmin) if fmin > 0 else torch.zeros_like(cur, dtype=torch.bool)
+        a_lo = torch.where(full, torch.zeros_like(p), first_ge(cur - w))
+    else:
+        a_lo = torch.zeros_like(p)
+    if c > 0:
+        ctx_end = torch.where(cur == 0, first_ge(max_id), torch.zeros_like(p))
+    else:
+        ctx_end = torch.zeros_like(p)
+    width = 1 if (not has_t and c == 0 and w == 0) else (5 if (has_t and w > 0) else 3)
+    func = pack_intervals(ctx_end, [(a_lo, p), (i, i + 1)], width)
+    return _finish(func, width, nfunc, nheads)
+
+
+def sla(
+    seq_offsets: torch.Tensor,
+    sla_k1: int,
+    sla_k2: int,
+    *,
+    num_targets: torch.Tensor | None = None,
+    contextual_seq_len: int = 0,
+    total: int | None = None,
+    nfunc: int | None = None,
+    nheads: int = 1,
+    _check: bool = True,
+) -> torch.Tensor:
+    """Semi-local attention (ULTRA-HSTU): local causal window K1 plus global prefix K2.
+
+    With ``K2e = max(K2, contextual_seq_len)`` and ``Hb = L - T``:
+
+    ===================  ==============================================
+    history ``i < Hb``   ``[0, min(K2e, i+1)) u [max(K2e, i-K1+1), i+1)``
+    target ``i >= Hb``   ``[0, Hb)`` (all history, not itself)
+    ===================  ==============================================
+
+    Width 3.
+    """
+    k1 = _nonneg("sla_k1", sla_k1)
+    k2 = _nonneg("sla_k2", sla_k2)
+    c = _nonneg("contextual_seq_len", contextual_seq_len)
+    total = _prepare(seq_offsets, total, check=_check)
+    seq, i, length = row_coords(seq_offsets, total)
+    hb = length - _targets_per_row(num_targets, seq_offsets, seq, _check)
+    k2e = max(k2, c)
+    hist = i < hb
+    zero = torch.zeros_like(i)
+    f0 = torch.where(hist, (i + 1).clamp(max=k2e), hb)
+    f1 = torch.where(hist, (i - k1 + 1).clamp(min=k2e), zero)
+    f2 = torch.where(hist, i + 1, zero)
+    return _finish(torch.stack([f0, f1, f2]).to(torch.int32), 3, nfunc, nheads)
+
+
+def onerank(
+    seq_offsets: torch.Tensor,
+    num_targets: torch.Tensor,
+    group_size: int,
+    *,
+    total: int | None = None,
+    nfunc: int | None = None,
+    nheads: int = 1,
+    _check: bool = True,
+) -> torch.Tensor:
+    """OneRank: a prefix, then groups ``[e_C, t_1 .. t_K]`` of ``group_size = K + 1``.
+
+    ================================  ===============================
+    prefix ``i < Hb``                 ``[0, i + 1)``
+    candidate ``i = g`` (slot 0)      ``[0, Hb) u {g}``
+    task ``i = g + k``, ``k >= 1``    ``[0, Hb) u {g} u {i}``
+    ================================  ===============================
+
+    Groups never see each other; task tokens never see each other. Width 5
+    (3 when ``group_size == 1``). ``num_targets`` must be a multiple of
+    ``group_size`` in every sequence.
+    """
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise bad_value("group_size", "an int >= 1 (K + 1)", group_size)
+    if num_targets is None:
+        raise bad_value("num_targets", "a (B,) tensor of target counts", None)
+    total = _prepare(seq_offsets, total, check=_check)
+    seq, i, length = row_coords(seq_offsets, total)
+    t = _targets_per_row(num_targets, seq_offsets, seq, _check)
+    if _check:
+        nt = num_targets.to(torch.int64)
+        bad = nt % group_size != 0
+        if bool(bad.any()):
+            b = int(torch.nonzero(bad)[0, 0])
+            raise bad_value(f"num_targets[{b}]", f"a multiple of group_size={group_size}", int(nt[b]))
+    hb = length - t
+    hist = i < hb
+    g = hb + torch.div((i - hb).clamp(min=0), group_size, rounding_mode="floor") * group_size
+    zero = torch.zeros_like(i)
+    task = (~hist) & (i != g)
+    rows = [
+        torch.where(hist, i + 1, hb),
+        torch.where(hist, zero, g),
+        torch.where(hist, zero, g + 1),
+    ]
+    width = 3
+    if group_size > 1:
+        rows += [torch.where(task, i, zero), torch.where(task, i + 1, zero)]
+        width = 5
+    return _finish(torch.stack(rows).to(torch.int32), width, nfunc, nheads)

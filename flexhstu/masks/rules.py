@@ -1,0 +1,55 @@
+"""Dense forms of the rules, elementwise as the HSTU reference implementations write them.
+
+These define the semantics the interval builders compress; the PyTorch
+reference uses them when ``hstu_mha`` gets ``attn_func=None``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def dense_fixed(
+    seq_offsets: torch.Tensor,
+    max_seq_len: int,
+    *,
+    causal: bool = True,
+    num_targets: torch.Tensor | None = None,
+    max_attn_len: int = 0,
+    contextual_seq_len: int = 0,
+    min_full_attn_seq_len: int = 0,
+) -> torch.Tensor:
+    """The HSTU valid-mask rule as bool ``(B, 1, N, N)``; padding rows/columns False.
+
+    ``causal=False`` uses ``|ids(i) - ids(j)|`` for the distance, as the
+    reference implementations do.
+    """
+    offs = seq_offsets.to(torch.int64)
+    n = int(max_seq_len)
+    lengths = offs[1:] - offs[:-1]
+    pos = torch.arange(n, device=offs.device)
+    L = lengths[:, None]
+    c = contextual_seq_len
+    x = pos[None, :].expand(lengths.numel(), n)
+    ids = (x - c + 1).clamp(min=0) if c > 0 else x
+    max_id = L - (c - 1 if c > 0 else 0)
+    if num_targets is not None:
+        max_id = max_id - num_targets.to(device=offs.device, dtype=torch.int64)[:, None]
+        ids = torch.minimum(ids, max_id)
+    ii = ids[:, :, None]
+    jj = ids[:, None, :]
+    d = ii - jj
+    if not causal:
+        d = d.abs()
+    eye = torch.eye(n, dtype=torch.bool, device=offs.device)[None]
+    valid = eye | (d > 0)
+    if max_attn_len > 0:
+        keep = d <= max_attn_len
+        if min_full_attn_seq_len > 0:
+            keep = keep | (ii >= (max_id - min_full_attn_seq_len)[:, :, None])
+        valid = valid & keep
+    if c > 0:
+        valid = valid | ((ii == 0) & (jj < max_id[:, :, None]))
+    inside = pos[None, :] < L
+    valid = valid & inside[:, :, None] & inside[:, None, :]
+    return valid[:, None]

@@ -1,0 +1,134 @@
+"""Every builder against an independent per-pair reading of its rule."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from flexhstu import masks
+from rules import dense_from_rule, fixed_visible, offsets_from, onerank_visible, sla_visible
+
+lengths_st = st.lists(st.integers(0, 13), min_size=1, max_size=4)
+offset_dtype_st = st.sampled_from([torch.int32, torch.int64])
+
+
+@given(lengths=lengths_st, dtype=offset_dtype_st)
+def test_causal_row_sees_its_past_and_itself(lengths, dtype):
+    offs = offsets_from(lengths, dtype)
+    n = max(lengths)
+    func = masks.causal(offs)
+    assert func.shape == (1, 1, sum(lengths)) and func.dtype == torch.int32
+    want = dense_from_rule(lengths, n, lambda b, i, j, L: j <= i)
+    assert torch.equal(masks.to_dense(func, offs, n), want)
+
+
+@given(
+    data=st.data(),
+    lengths=lengths_st,
+    dtype=offset_dtype_st,
+    use_targets=st.booleans(),
+    c=st.integers(0, 4),
+    w=st.integers(0, 5),
+    f=st.integers(0, 4),
+)
+def test_fixed_matches_the_reference_rule(data, lengths, dtype, use_targets, c, w, f):
+    offs = offsets_from(lengths, dtype)
+    n = max(lengths)
+    targets = [data.draw(st.integers(0, L)) for L in lengths] if use_targets else None
+    nt = torch.tensor(targets) if use_targets else None
+    func = masks.fixed(offs, num_targets=nt, max_attn_len=w, contextual_seq_len=c, min_full_attn_seq_len=f)
+    want = dense_from_rule(
+        lengths, n, lambda b, i, j, L: fixed_visible(i, j, L, targets[b] if use_targets else 0, c, w, f, use_targets)
+    )
+    assert torch.equal(masks.to_dense(func, offs, n), want)
+    assert torch.equal(masks.dense_fixed(offs, n, num_targets=nt, max_attn_len=w, contextual_seq_len=c, min_full_attn_seq_len=f), want)
+
+
+def test_fixed_width_is_minimal_per_rule():
+    offs = offsets_from([9, 4])
+    nt = torch.tensor([3, 1])
+    assert masks.fixed(offs).shape[1] == 1
+    assert masks.fixed(offs, num_targets=nt).shape[1] == 3
+    assert masks.fixed(offs, max_attn_len=2).shape[1] == 3
+    assert masks.fixed(offs, contextual_seq_len=2).shape[1] == 3
+    assert masks.fixed(offs, num_targets=nt, max_attn_len=2).shape[1] == 5
+
+
+def test_target_row_under_slid_window_needs_three_intervals():
+    # L=8, T=2, W=2: target rows see [lo, Hb) u {i} with lo > 0.
+    offs = offsets_from([8])
+    func = masks.fixed(offs, num_targets=torch.tensor([2]), max_attn_len=2)
+    row7 = masks.to_dense(func, offs, 8)[0, 0, 7]
+    assert row7.tolist() == [False, False, False, False, True, True, False, True]
+
+
+@given(data=st.data(), lengths=lengths_st, dtype=offset_dtype_st, k1=st.integers(0, 6), k2=st.integers(0, 5), c=st.integers(0, 4), use_targets=st.booleans())
+def test_sla_matches_the_seed_rule(data, lengths, dtype, k1, k2, c, use_targets):
+    offs = offsets_from(lengths, dtype)
+    n = max(lengths)
+    targets = [data.draw(st.integers(0, L)) for L in lengths] if use_targets else [0] * len(lengths)
+    nt = torch.tensor(targets) if use_targets else None
+    func = masks.sla(offs, k1, k2, num_targets=nt, contextual_seq_len=c)
+    assert func.shape[1] == 3
+    want = dense_from_rule(lengths, n, lambda b, i, j, L: sla_visible(i, j, L, targets[b], k1, k2, c))
+    assert torch.equal(masks.to_dense(func, offs, n), want)
+
+
+@given(lengths=lengths_st)
+def test_sla_with_full_window_and_no_prefix_is_causal(lengths):
+    offs = offsets_from(lengths)
+    n = max(lengths)
+    assert torch.equal(masks.to_dense(masks.sla(offs, n, 0), offs, n), masks.to_dense(masks.causal(offs), offs, n))
+
+
+@given(data=st.data(), hist=st.lists(st.integers(0, 6), min_size=1, max_size=3), group=st.integers(1, 4), dtype=offset_dtype_st)
+def test_onerank_matches_the_rule(data, hist, group, dtype):
+    ncand = [data.draw(st.integers(0, 3)) for _ in hist]
+    targets = [m * group for m in ncand]
+    lengths = [h + t for h, t in zip(hist, targets)]
+    offs = offsets_from(lengths, dtype)
+    n = max(max(lengths), 1)
+    func = masks.onerank(offs, torch.tensor(targets), group)
+    assert func.shape[1] == (5 if group > 1 else 3)
+    want = dense_from_rule(lengths, n, lambda b, i, j, L: onerank_visible(i, j, L, targets[b], group))
+    assert torch.equal(masks.to_dense(func, offs, n), want)
+
+
+def test_onerank_groups_and_task_tokens_are_private():
+    hist, group, ncand = 5, 4, 3
+    L = hist + group * ncand
+    offs = offsets_from([L])
+    vis = masks.to_dense(masks.onerank(offs, torch.tensor([group * ncand]), group), offs, L)[0, 0]
+    for a in range(ncand):
+        ga = hist + a * group
+        for k in range(group):
+            row = ga + k
+            seen = set(torch.nonzero(vis[row]).flatten().tolist())
+            expected = set(range(hist)) | {ga, row}
+            assert seen == expected, (row, seen)
+            for b in range(ncand):
+                if b != a:  # groups never see each other
+                    assert not vis[row, hist + b * group : hist + (b + 1) * group].any()
+
+
+def test_builders_return_a_stride0_view_for_heads():
+    offs = offsets_from([5, 3])
+    for func in (
+        masks.causal(offs, nheads=4),
+        masks.sla(offs, 2, 1, nheads=4),
+        masks.onerank(offs, torch.tensor([2, 2]), 2, nheads=4),
+        masks.fixed(offs, max_attn_len=2, nheads=4),
+    ):
+        assert func.shape[0] == 4 and func.stride(0) == 0
+
+
+def test_total_avoids_reading_offsets_and_gives_the_same_func():
+    offs = offsets_from([5, 0, 7])
+    assert torch.equal(masks.sla(offs, 3, 1, total=12), masks.sla(offs, 3, 1))
+
+
+def test_zero_length_batch_builds_empty_funcs():
+    offs = offsets_from([0, 0])
+    assert masks.causal(offs).shape == (1, 1, 0)
+    assert masks.onerank(offs, torch.tensor([0, 0]), 3).shape == (1, 5, 0)
