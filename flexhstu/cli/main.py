@@ -1,0 +1,131 @@
+"""The ``flexhstu`` command: demo, show-mask."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+from .. import Kernel, hstu_mha, masks
+from ..masks import picture
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _offsets(lengths: list[int], device="cpu") -> torch.Tensor:
+    offs = [0]
+    for n in lengths:
+        offs.append(offs[-1] + n)
+    return torch.tensor(offs, dtype=torch.int64, device=device)
+
+
+def build_mask(kind: str, offs: torch.Tensor, args: argparse.Namespace) -> torch.Tensor:
+    targets = torch.tensor(args.targets, dtype=torch.int64) if args.targets else None
+    if kind == "causal":
+        return masks.causal(offs)
+    if kind == "fixed":
+        return masks.fixed(offs, num_targets=targets, max_attn_len=args.max_attn_len,
+                           contextual_seq_len=args.contextual, min_full_attn_seq_len=args.min_full_attn)
+    if kind == "sla":
+        return masks.sla(offs, args.k1, args.k2, num_targets=targets, contextual_seq_len=args.contextual)
+    if kind == "onerank":
+        if targets is None:
+            raise SystemExit("show-mask onerank: --targets is required (a multiple of --group-size per sequence)")
+        return masks.onerank(offs, targets, args.group_size)
+    raise SystemExit(f"unknown mask {kind!r}")
+
+
+def cmd_show_mask(args: argparse.Namespace) -> int:
+    lengths = _ints(args.lengths)
+    if args.targets is not None and len(args.targets) != len(lengths):
+        raise SystemExit(f"--targets: expected {len(lengths)} values (one per sequence), got {len(args.targets)}")
+    offs = _offsets(lengths)
+    func = build_mask(args.mask, offs, args)
+    path = picture.render(func, offs, max(lengths + [1]), args.output, title=f"{args.mask} (NFUNC {func.shape[1]})")
+    print(f"wrote {path}: {args.mask}, NFUNC {func.shape[1]}, lengths {lengths}")
+    return 0
+
+
+def _time_ms(fn, repeat: int = 3) -> float:
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(args.seed)
+    hist = [180, 0, 97, 256] if device == "cpu" else [3000, 0, 1571, 4096]
+    group, ncand = 4, [8, 0, 5, 12]
+    lengths = [h + group * c for h, c in zip(hist, ncand)]
+    offs = _offsets(lengths, device)
+    n = max(lengths)
+    heads, dim = 2, 32
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    total = sum(lengths)
+    q, k, v = (torch.randn(total, heads, dim, device=device, dtype=dtype) for _ in range(3))
+    cases = {
+        "causal": masks.causal(offs),
+        "sla k1=32 k2=8": masks.sla(offs, 32, 8),
+        "onerank K=3": masks.onerank(offs, torch.tensor([group * c for c in ncand], device=device), group),
+    }
+    os.makedirs(args.out, exist_ok=True)
+    print(f"device {device}, dtype {str(dtype).replace('torch.', '')}, lengths {lengths}, heads {heads}, dim {dim}")
+    print(f"{'mask':<16} {'NFUNC':>5} {'visible':>8} {'max |err|':>10} {'time_ms':>8}")
+    for name, func in cases.items():
+        dense = masks.to_dense(func, offs, n)
+        visible = dense.sum().item() / max(sum(L * L for L in lengths), 1)
+        run = lambda: hstu_mha(n, None, q, k, v, offs, attn_func=func)  # noqa: E731
+        out = run()
+        ref = hstu_mha(n, None, q.double(), k.double(), v.double(), offs, attn_func=func, kernel=Kernel.PYTORCH)
+        err = (out.double() - ref).abs().max().item()
+        print(f"{name:<16} {func.shape[1]:>5} {visible:>8.3f} {err:>10.2e} {_time_ms(run):>8.2f}")
+        small = _offsets([48, 40])
+        sfunc = {"causal": masks.causal(small), "sla": masks.sla(small, 12, 4), "onerank": masks.onerank(small, torch.tensor([16, 12]), 4)}
+        key = name.split()[0]
+        picture.render(sfunc[key], small, 48, os.path.join(args.out, f"mask-{key}.png"), title=f"{key} (NFUNC {sfunc[key].shape[1]})")
+    print(f"mask pictures in {args.out}/")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="flexhstu", description="HSTU attention under interval masks")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="run hstu_mha on SLA and OneRank masks, check it, draw the masks")
+    demo.add_argument("--out", default="flexhstu-demo", help="folder for the mask pictures")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.set_defaults(fn=cmd_demo)
+
+    show = sub.add_parser("show-mask", help="draw a mask as a PNG, one panel per sequence")
+    show.add_argument("mask", choices=["causal", "fixed", "sla", "onerank"])
+    show.add_argument("--lengths", required=True, help="comma-separated sequence lengths, e.g. 40,64")
+    show.add_argument("--targets", type=_ints, default=None, help="comma-separated target counts, one per sequence")
+    show.add_argument("--k1", type=int, default=8, help="sla: local window")
+    show.add_argument("--k2", type=int, default=4, help="sla: global prefix")
+    show.add_argument("--group-size", type=int, default=4, help="onerank: K + 1")
+    show.add_argument("--max-attn-len", type=int, default=0)
+    show.add_argument("--contextual", type=int, default=0)
+    show.add_argument("--min-full-attn", type=int, default=0)
+    show.add_argument("-o", "--output", default="mask.png")
+    show.set_defaults(fn=cmd_show_mask)
+
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

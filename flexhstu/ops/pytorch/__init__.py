@@ -1,0 +1,3 @@
+from .reference import pytorch_hstu_mha
+
+__all__ = ["pytorch_hstu_mha"]

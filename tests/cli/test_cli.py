@@ -1,0 +1,37 @@
+"""The command line: pictures and the demo."""
+
+from __future__ import annotations
+
+import numpy as np
+from PIL import Image
+
+from flexhstu.cli.main import main
+from flexhstu.masks import picture
+
+
+def test_show_mask_draws_visible_hidden_and_padding(tmp_path, capsys):
+    out = tmp_path / "m.png"
+    assert main(["show-mask", "sla", "--lengths", "20,32", "--k1", "4", "--k2", "2", "-o", str(out)]) == 0
+    pixels = np.asarray(Image.open(out).convert("RGB")).reshape(-1, 3)
+    colours = {tuple(p) for p in pixels}
+    assert picture.VISIBLE in colours and picture.HIDDEN in colours and picture.PADDING in colours
+    assert "NFUNC 3" in capsys.readouterr().out
+
+
+def test_show_mask_onerank_needs_targets(tmp_path):
+    try:
+        main(["show-mask", "onerank", "--lengths", "20", "-o", str(tmp_path / "x.png")])
+    except SystemExit as e:
+        assert "--targets is required" in str(e)
+    else:
+        raise AssertionError("expected SystemExit")
+
+
+def test_demo_checks_against_the_reference_and_writes_pictures(tmp_path, capsys):
+    assert main(["demo", "--out", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    rows = [line.split() for line in text.splitlines() if line.startswith(("causal", "sla", "onerank"))]
+    assert len(rows) == 3
+    for row in rows:
+        assert float(row[-2]) < 1e-4  # max |err| against the float64 reference
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mask-causal.png", "mask-onerank.png", "mask-sla.png"]
