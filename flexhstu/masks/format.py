@@ -244,3 +244,34 @@ def from_dense(dense: torch.Tensor, seq_offsets: torch.Tensor, *, nfunc: int | N
     out[head[rest], 2 * slot[rest] - 1, t[rest]] = sc[rest].to(torch.int32)
     out[head[rest], 2 * slot[rest], t[rest]] = ec[rest].to(torch.int32)
     return out
+
+
+def count_visible(func: torch.Tensor, seq_offsets: torch.Tensor) -> torch.Tensor:
+    """Exact number of visible (query, key) pairs per func head: int64 ``(Hf,)``.
+
+    Works row by row on the intervals (sorted, swept), so it needs no dense mask
+    and runs at any length.
+    """
+    check_offsets_meta(seq_offsets)
+    check_func_meta(func)
+    total = func.shape[2]
+    if total == 0:
+        return torch.zeros(func.shape[0], dtype=torch.int64, device=func.device)
+    _, _, length = row_coords(seq_offsets.to(func.device), total)
+    f = func.to(torch.int64)
+    nint = (func.shape[1] + 1) // 2
+    starts = torch.stack([torch.zeros_like(f[:, 0])] + [f[:, 2 * j - 1] for j in range(1, nint)], -1)
+    ends = torch.stack([f[:, 2 * j] for j in range(nint)], -1)
+    starts = starts.clamp(min=0)
+    ends = torch.minimum(ends, length[None, :, None])
+    ends = torch.maximum(ends, starts)  # empty -> zero length
+    order = torch.argsort(starts, dim=-1)
+    starts = torch.gather(starts, -1, order)
+    ends = torch.gather(ends, -1, order)
+    covered = torch.zeros_like(starts[..., 0])
+    reach = torch.zeros_like(starts[..., 0])
+    for j in range(nint):
+        lo = torch.maximum(starts[..., j], reach)
+        covered = covered + (ends[..., j] - lo).clamp(min=0)
+        reach = torch.maximum(reach, ends[..., j])
+    return covered.sum(-1)

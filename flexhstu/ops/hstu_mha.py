@@ -2,7 +2,7 @@
 
 Checks never read device memory of CUDA tensors (no host-device sync in the hot
 path): value checks on ``seq_offsets`` / ``num_targets`` run on CPU tensors
-only; ``masks.validate`` does them for CUDA tensors when asked.
+outside torch.compile only; ``masks.validate`` does them for CUDA tensors when asked.
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ import os
 import torch
 
 from .._errors import bad_type, bad_value
-from ..masks import builders
-from ..masks.format import check_func_meta, check_offsets_meta, check_offsets_values, to_dense
+from ..masks.format import check_func_meta, check_offsets_meta, check_offsets_values, row_coords, to_dense
 from ..masks.rules import dense_fixed
 from .cutlass import unavailable_reason
 from .kernel import Kernel
@@ -120,7 +119,7 @@ def hstu_mha(
         check_func_meta(attn_func, total=total, nheads=nheads, arg="attn_func")
         if attn_func.device != q.device:
             raise bad_value("attn_func.device", f"the device of q ({q.device})", attn_func.device)
-    if not q.is_cuda:
+    if not q.is_cuda and not torch.compiler.is_compiling():
         _check_values_on_host(seq_offsets, total, max_seq_len, num_targets)
 
     kernel = Kernel(kernel)
@@ -176,26 +175,21 @@ def _run_triton(max_seq_len, alpha, q, k, v, seq_offsets, causal, dropout_pr, tr
         raise TypeError("q: Kernel.TRITON supports float16, bfloat16 and float32; got torch.float64 (use Kernel.PYTORCH)")
     from .triton import triton_hstu_mha
 
-    mode_causal = False
-    func = attn_func
-    if func is None:
-        plain = num_targets is None and max_attn_len == 0 and contextual_seq_len == 0
-        if plain and causal:
-            mode_causal = True
-        elif not causal:
-            if not plain:
-                raise ValueError(
-                    "causal=False with num_targets/max_attn_len/contextual_seq_len is not supported by Kernel.TRITON; "
-                    "build the mask with flexhstu.masks (or masks.from_dense) and pass attn_func"
-                )
-            lengths = (seq_offsets[1:] - seq_offsets[:-1]).to(torch.int64)
-            from ..masks.format import row_coords
-
-            seq, _, length = row_coords(seq_offsets, q.shape[0])
-            func = length.to(torch.int32)[None, None]
-        else:
-            func = builders.fixed(
-                seq_offsets, num_targets=num_targets, max_attn_len=max_attn_len, contextual_seq_len=contextual_seq_len,
-                min_full_attn_seq_len=min_full_attn_seq_len, total=q.shape[0], _check=False,
+    if attn_func is not None:
+        return triton_hstu_mha(q, k, v, seq_offsets, func=attn_func, alpha=float(alpha), out_scale=1.0 / scaling,
+                               max_seq_len=max_seq_len)
+    plain = num_targets is None and max_attn_len == 0 and contextual_seq_len == 0
+    if not causal:
+        if not plain:
+            raise ValueError(
+                "causal=False with num_targets/max_attn_len/contextual_seq_len is not supported by Kernel.TRITON; "
+                "build the mask with flexhstu.masks (or masks.from_dense) and pass attn_func"
             )
-    return triton_hstu_mha(q, k, v, seq_offsets, func, float(alpha), 1.0 / scaling, max_seq_len)
+        _, _, length = row_coords(seq_offsets, q.shape[0])  # every row sees its whole sequence
+        return triton_hstu_mha(q, k, v, seq_offsets, func=length.to(torch.int32)[None, None], alpha=float(alpha),
+                               out_scale=1.0 / scaling, max_seq_len=max_seq_len)
+    return triton_hstu_mha(
+        q, k, v, seq_offsets, num_targets=num_targets, causal_closed_form=plain, contextual=contextual_seq_len,
+        window=max_attn_len, min_full=min_full_attn_seq_len, alpha=float(alpha), out_scale=1.0 / scaling,
+        max_seq_len=max_seq_len,
+    )

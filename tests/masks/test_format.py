@@ -131,3 +131,11 @@ def test_builders_reject_bad_parameters():
         masks.onerank(offs, torch.tensor([3, 3]), 3, nfunc=3)
     with pytest.raises(ValueError, match=r"nfunc: expected an odd int >= 1, got 4"):
         masks.causal(offs, nfunc=4)
+
+
+@given(lengths=st.lists(st.integers(0, 9), min_size=1, max_size=4), seed=st.integers(0, 1000), hf=st.sampled_from([1, 2]), nfunc=st.sampled_from([1, 3, 5, 7]))
+def test_count_visible_equals_the_dense_count(lengths, seed, hf, nfunc):
+    offs = offsets_from(lengths)
+    func = random_func(lengths, nfunc, hf, seed)
+    dense = masks.to_dense(func, offs, max(max(lengths), 1))
+    assert masks.count_visible(func, offs).tolist() == dense.sum(dim=(0, 2, 3)).tolist()

@@ -1,0 +1,245 @@
+"""Launch plumbing and the torch.library custom ops (forward, backward, autograd, fake)."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from .backward import hstu_backward_dkdv_kernel, hstu_backward_dq_kernel
+from .forward import hstu_forward_kernel
+from .plan import BIG, MODE_CAUSAL, MODE_FIXED, MODE_FUNC, _plan_kernel
+
+LOG2E = math.log2(math.e)
+
+POISON_OUTPUTS = False
+"""When True, outputs are filled with NaN before the kernels run (the GPU check sets it), so an
+element a kernel forgot to write shows up as NaN instead of stale memory."""
+
+
+@dataclass(frozen=True)
+class Tile:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _env_tile(name: str, default: Tile) -> Tile:
+    """``FLEXHSTU_<NAME>_TILE=BM,BN,WARPS,STAGES`` overrides a tile (used by the benchmark's sweep)."""
+    text = os.environ.get(f"FLEXHSTU_{name}_TILE")
+    if not text:
+        return default
+    bm, bn, w, s = (int(x) for x in text.split(","))
+    return Tile(bm, bn, w, s)
+
+
+def tiles(dqk: int, dv: int) -> tuple[Tile, Tile, Tile]:
+    """(forward, dQ, dK/dV) tiles. The interpreter gets small, unequal blocks so tests cross many blocks."""
+    if _interpreting():
+        return Tile(32, 16, 4, 1), Tile(16, 32, 4, 1), Tile(16, 32, 4, 1)
+    d = max(dqk, dv)
+    if d <= 64:
+        fwd, dq, dkdv = Tile(128, 64, 4, 3), Tile(128, 64, 4, 3), Tile(64, 128, 4, 3)
+    elif d <= 128:
+        fwd, dq, dkdv = Tile(128, 64, 8, 3), Tile(128, 64, 8, 2), Tile(64, 128, 8, 2)
+    else:
+        fwd, dq, dkdv = Tile(64, 64, 4, 2), Tile(64, 32, 4, 2), Tile(32, 64, 4, 2)
+    return _env_tile("FWD", fwd), _env_tile("DQ", dq), _env_tile("DKDV", dkdv)
+
+
+def block_table(offs: torch.Tensor, total: int, block: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Flat blocks of every sequence: (sequence of each flat block, first flat block of each sequence, count bound).
+
+    The bound ``total // block + B`` needs no device read; flat blocks past the
+    last map to sequence ``B``, which the kernels skip.
+    """
+    nblk = torch.div(torch.diff(offs) + (block - 1), block, rounding_mode="floor")
+    cum = F.pad(torch.cumsum(nblk, 0), (1, 0))
+    bound = total // block + offs.numel() - 1
+    seq = torch.searchsorted(cum[1:], torch.arange(bound, device=offs.device, dtype=cum.dtype), right=True)
+    return seq, cum, bound
+
+
+@dataclass
+class Mask:
+    """How the kernels learn visibility: a func tensor, closed-form causal, or the closed-form fixed rule."""
+
+    mode: int
+    func: Optional[torch.Tensor] = None
+    num_targets: Optional[torch.Tensor] = None
+    contextual: int = 0
+    window: int = 0
+    min_full: int = 0
+
+    def nfunc(self) -> int:
+        return {MODE_FUNC: self.func.shape[1] if self.func is not None else 1, MODE_CAUSAL: 1, MODE_FIXED: 5}[self.mode]
+
+    def per_head(self) -> bool:
+        f = self.func
+        return f is not None and f.shape[0] > 1 and f.stride(0) != 0
+
+    def kernel_args(self, like: torch.Tensor) -> tuple[list, dict]:
+        """(tensor and stride arguments, constexprs) shared by every kernel."""
+        f = self.func if self.func is not None else like.new_zeros(1, dtype=torch.int32)
+        nt = self.num_targets if self.num_targets is not None else f
+        strides = [(f.stride(0) if self.per_head() else 0), f.stride(1) if f.dim() > 1 else 0, f.stride(2) if f.dim() > 2 else 0]
+        nfunc = self.nfunc()
+        const = dict(NFUNC=nfunc, MODE=self.mode, HAS_T=self.num_targets is not None,
+                     RP=max(2, triton.next_power_of_2((nfunc + 1) // 2)))
+        return [f, nt, *strides], const
+
+
+def _new_like(x: torch.Tensor, *shape: int) -> torch.Tensor:
+    out = torch.empty(*(shape or x.shape), dtype=x.dtype, device=x.device)
+    return out.fill_(float("nan")) if POISON_OUTPUTS else out
+
+
+def _last_dim_contiguous(*xs: torch.Tensor) -> list[torch.Tensor]:
+    return [x if x.stride(-1) == 1 else x.contiguous() for x in xs]
+
+
+def _qkv_strides(*xs: torch.Tensor) -> list[int]:
+    return [s for x in xs for s in (x.stride(0), x.stride(1))]
+
+
+def forward(q, k, v, offs, mask: Mask, alpha: float, out_scale: float) -> torch.Tensor:
+    q, k, v = _last_dim_contiguous(q, k, v)
+    total, nheads, dqk = q.shape
+    dv = v.shape[2]
+    out = _new_like(q, total, nheads, dv)
+    if total == 0:
+        return out
+    tile, _, _ = tiles(dqk, dv)
+    qtab, qcum, nqb = block_table(offs, total, tile.block_m)
+    (f, nt, sfh, sfj, sft), const = mask.kernel_args(q)
+    hstu_forward_kernel[(nqb, nheads)](
+        q, k, v, out, f, offs, nt, qtab, qcum, *_qkv_strides(q, k, v, out), sfh, sfj, sft,
+        offs.numel() - 1, nqb, mask.contextual, mask.window, mask.min_full, alpha * LOG2E, out_scale / LOG2E,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, DQK=dqk, DV=dv, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        **const,
+    )
+    return out
+
+
+def backward(dout, q, k, v, offs, mask: Mask, alpha: float, out_scale: float, max_seq_len: int):
+    dout, q, k, v = _last_dim_contiguous(dout, q, k, v)
+    total, nheads, dqk = q.shape
+    dv_dim = v.shape[2]
+    dq = _new_like(q)
+    if total == 0:
+        return dq, _new_like(k), _new_like(v)
+    _, tq, tkv = tiles(dqk, dv_dim)
+    (f, nt, sfh, sfj, sft), const = mask.kernel_args(q)
+    nseq = offs.numel() - 1
+    fixed = (mask.contextual, mask.window, mask.min_full)
+    qtab, qcum, nqb = block_table(offs, total, tq.block_m)
+    hstu_backward_dq_kernel[(nqb, nheads)](
+        q, k, v, dout, dq, f, offs, nt, qtab, qcum, *_qkv_strides(q, k, v, dout, dq), sfh, sfj, sft,
+        nseq, nqb, *fixed, alpha, alpha * out_scale,
+        BLOCK_M=tq.block_m, BLOCK_N=tq.block_n, DQK=dqk, DV=dv_dim, num_warps=tq.num_warps, num_stages=tq.num_stages,
+        **const,
+    )
+    # Key-major pass: its query blocks (BLOCK_M) and key blocks (BLOCK_N) index the plan.
+    ptab, pcum, npb = block_table(offs, total, tkv.block_m)
+    ktab, kcum, nkb = (qtab, qcum, nqb) if tkv.block_n == tq.block_m else block_table(offs, total, tkv.block_n)
+    # Split a key block's query range when it is long: at most 8 chunks of at least `chunk` query blocks.
+    q_blocks_max = max(1, -(-max(max_seq_len, 1) // tkv.block_m))
+    chunk = 2 if _interpreting() else max(32, -(-q_blocks_max // 8))
+    n_split = max(1, -(-q_blocks_max // chunk))
+    if n_split > 1:
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    else:
+        dk, dv = _new_like(k), _new_like(v)
+    per_head = mask.per_head()
+    nplan = nheads if per_head else 1
+    if mask.mode == MODE_CAUSAL:
+        bounds = qlo = qhi = qcum  # unused: the causal ranges are closed-form
+    else:
+        bounds = torch.empty(nplan, npb, 4, const["RP"], dtype=torch.int32, device=q.device)
+        qlo = torch.full((nplan, nkb), BIG, dtype=torch.int32, device=q.device)
+        qhi = torch.zeros((nplan, nkb), dtype=torch.int32, device=q.device)
+        _plan_kernel[(npb, nplan)](
+            f, offs, nt, ptab, pcum, kcum, bounds, qlo, qhi, sfh, sfj, sft, nseq, npb, nkb, *fixed,
+            BLOCK_M=tkv.block_m, BLOCK_N=tkv.block_n, num_warps=4, **const,
+        )
+    hstu_backward_dkdv_kernel[(nkb * n_split, nheads)](
+        q, k, v, dout, dk, dv, f, offs, nt, ktab, kcum, pcum, bounds, qlo, qhi,
+        *_qkv_strides(q, k, v, dout, dk, dv), sfh, sfj, sft,
+        1 if per_head else 0, nseq, npb, nkb, n_split, chunk, *fixed, alpha, alpha * out_scale, out_scale,
+        BLOCK_M=tkv.block_m, BLOCK_N=tkv.block_n, DQK=dqk, DV=dv_dim, num_warps=tkv.num_warps, num_stages=tkv.num_stages,
+        **const,
+    )
+    return dq, dk, dv
+
+
+def _mask(func, num_targets, mode: int, contextual: int, window: int, min_full: int) -> Mask:
+    return Mask(mode, func, num_targets, contextual, window, min_full)
+
+
+@torch.library.custom_op("flexhstu::hstu_mha_fwd", mutates_args=())
+def hstu_mha_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offsets: torch.Tensor,
+                 func: Optional[torch.Tensor], num_targets: Optional[torch.Tensor], mode: int,
+                 contextual: int, window: int, min_full: int, alpha: float, out_scale: float,
+                 max_seq_len: int) -> torch.Tensor:
+    return forward(q, k, v, seq_offsets, _mask(func, num_targets, mode, contextual, window, min_full), alpha, out_scale)
+
+
+@hstu_mha_fwd.register_fake
+def _(q, k, v, seq_offsets, func, num_targets, mode, contextual, window, min_full, alpha, out_scale, max_seq_len):
+    return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+
+
+@torch.library.custom_op("flexhstu::hstu_mha_bwd", mutates_args=())
+def hstu_mha_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offsets: torch.Tensor,
+                 func: Optional[torch.Tensor], num_targets: Optional[torch.Tensor], mode: int,
+                 contextual: int, window: int, min_full: int, alpha: float, out_scale: float,
+                 max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    mask = _mask(func, num_targets, mode, contextual, window, min_full)
+    return backward(dout, q, k, v, seq_offsets, mask, alpha, out_scale, max_seq_len)
+
+
+@hstu_mha_bwd.register_fake
+def _(dout, q, k, v, seq_offsets, func, num_targets, mode, contextual, window, min_full, alpha, out_scale, max_seq_len):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, seq_offsets, func, num_targets, *rest = inputs
+    ctx.save_for_backward(q, k, v, seq_offsets, func, num_targets)
+    ctx.rest = rest
+
+
+def _backward(ctx, dout):
+    q, k, v, seq_offsets, func, num_targets = ctx.saved_tensors
+    dq, dk, dv = hstu_mha_bwd(dout, q, k, v, seq_offsets, func, num_targets, *ctx.rest)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+
+
+hstu_mha_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def triton_hstu_mha(q, k, v, seq_offsets, *, func=None, num_targets=None, causal_closed_form=False,
+                    contextual: int = 0, window: int = 0, min_full: int = 0,
+                    alpha: float, out_scale: float, max_seq_len: int) -> torch.Tensor:
+    """Dispatch to the custom op. ``func`` given: the func decides; else causal or the fixed rule in closed form.
+
+    ``max_seq_len`` only sizes the split of long key-major ranges; a wrong value costs speed, not correctness.
+    """
+    offs = seq_offsets if seq_offsets.dtype == torch.int64 else seq_offsets.to(torch.int64)
+    if func is not None:
+        mode = MODE_FUNC
+    elif causal_closed_form:
+        mode = MODE_CAUSAL
+    else:
+        mode = MODE_FIXED
+    return hstu_mha_fwd(q, k, v, offs, func, num_targets, mode, contextual, window, min_full, alpha, out_scale, max_seq_len)

@@ -1,0 +1,225 @@
+"""Block plan: which key blocks a query block must visit, and which need no element mask.
+
+Per query block the func rows are read once and reduced, per interval ``j``, to
+
+* the **hull** ``[hlo_j, hhi_j)``: the union of the interval over the block's rows
+  (min of starts, max of ends over non-empty rows); key blocks outside every hull
+  are never loaded;
+* the **core** ``[clo_j, chi_j)``: the part every row sees (max of starts, min of
+  ends); a key block inside some core needs no element mask.
+
+These four ``(RP,)`` vectors (RP = intervals rounded up to a power of two) drive
+the loops of every kernel. The query-major kernels compute them in their
+prologue; the key-major backward reads them from ``_plan_kernel``'s output,
+which also records, per key block, the range of query blocks that see it.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+BIG = 1 << 30
+
+
+MODE_FUNC = 0
+MODE_CAUSAL = 1
+MODE_FIXED = 2
+
+
+@triton.jit
+def fixed_ids(x, off, max_id, HAS_T: tl.constexpr):
+    """HSTU ids: contextual rows share id 0, targets share ``max_id``."""
+    ids = tl.maximum(x - off, 0)
+    if HAS_T:
+        ids = tl.minimum(ids, max_id)
+    return ids
+
+
+@triton.jit
+def fixed_first_ge(v, L, off, max_id, HAS_T: tl.constexpr):
+    """First local position whose id is >= v (ids are non-decreasing), in [0, L]."""
+    id_first = fixed_ids(0, off, max_id, HAS_T)
+    id_last = fixed_ids(L - 1, off, max_id, HAS_T)
+    return tl.where(v <= id_first, 0, tl.where(v > id_last, L, tl.minimum(v + off, L)))
+
+
+@triton.jit
+def fixed_interval(rows, L, j: tl.constexpr, fx_t, fx_c, fx_w, fx_f, HAS_T: tl.constexpr):
+    """The fixed rule in closed form (as masks.fixed): row i sees C u A u {i}.
+
+    j = 0: C = [0, first_ge(max_id)) for contextual rows; j = 1: A = [0 or
+    window start, first_ge(ids(i))); j = 2: {i}.
+    """
+    off = tl.maximum(fx_c - 1, 0)
+    max_id = L - off - fx_t
+    cur = fixed_ids(rows, off, max_id, HAS_T)
+    if j == 0:
+        start = tl.zeros_like(rows)
+        end = tl.where((fx_c > 0) & (cur == 0), fixed_first_ge(max_id + tl.zeros_like(rows), L, off, max_id, HAS_T), 0)
+    elif j == 1:
+        end = fixed_first_ge(cur, L, off, max_id, HAS_T)
+        windowed = (fx_w > 0) & ~((fx_f > 0) & (cur >= max_id - fx_f))
+        start = tl.where(windowed, fixed_first_ge(cur - fx_w, L, off, max_id, HAS_T), 0)
+    else:
+        start = rows
+        end = rows + 1
+    return start, end
+
+
+@triton.jit
+def row_interval(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, L, j: tl.constexpr, MODE: tl.constexpr,
+                 fx_t, fx_c, fx_w, fx_f, HAS_T: tl.constexpr):
+    """Interval ``j`` of each row, clipped to ``[0, L)``; rows past ``L`` get ``[0, 0)``.
+
+    MODE: 0 reads the func tensor, 1 is causal ``[0, i + 1)``, 2 is the fixed rule.
+    """
+    if MODE == 1:
+        start = tl.zeros_like(rows)
+        end = rows + 1
+    elif MODE == 2:
+        start, end = fixed_interval(rows, L, j, fx_t, fx_c, fx_w, fx_f, HAS_T)
+    else:
+        if j == 0:
+            start = tl.zeros_like(rows)
+        else:
+            start = tl.load(fbase + (2 * j - 1) * stride_fj + rows_g * stride_ft, mask=row_ok, other=0)
+        end = tl.load(fbase + (2 * j) * stride_fj + rows_g * stride_ft, mask=row_ok, other=0)
+    start = tl.maximum(start, 0)
+    end = tl.where(row_ok, tl.minimum(end, L), 0)
+    return start, end
+
+
+@triton.jit
+def block_bounds(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, L, fx_t, fx_c, fx_w, fx_f,
+                 NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_T: tl.constexpr, RP: tl.constexpr):
+    """Per-interval hull and core of a query block: four ``(RP,)`` int32 vectors."""
+    jr = tl.arange(0, RP)
+    hlo = tl.full((RP,), 1 << 30, tl.int32)
+    hhi = tl.zeros((RP,), tl.int32)
+    clo = tl.full((RP,), 1 << 30, tl.int32)
+    chi = tl.zeros((RP,), tl.int32)
+    for j in tl.static_range((NFUNC + 1) // 2):
+        s, e = row_interval(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, L, j, MODE, fx_t, fx_c, fx_w, fx_f, HAS_T)
+        nonempty = e > s
+        hlo = tl.where(jr == j, tl.min(tl.where(nonempty, s, 1 << 30), axis=0), hlo)
+        hhi = tl.where(jr == j, tl.max(tl.where(nonempty, e, 0), axis=0), hhi)
+        clo = tl.where(jr == j, tl.max(tl.where(row_ok, s, 0), axis=0), clo)
+        chi = tl.where(jr == j, tl.min(tl.where(row_ok, e, 1 << 30), axis=0), chi)
+    return hlo, hhi, clo, chi
+
+
+@triton.jit
+def kv_ranges(hlo, hhi, BLOCK_N: tl.constexpr, RP: tl.constexpr):
+    """Merge the hulls (in key blocks) into disjoint ranges; returns start, length, exclusive cumsum.
+
+    Interval ``j`` keeps the blocks of its hull past every hull that sorts
+    before it (by start, then index), so each key block is visited exactly once
+    whatever the order of the intervals in the func.
+    """
+    jr = tl.arange(0, RP)
+    blo = hlo // BLOCK_N
+    bhi = (hhi + BLOCK_N - 1) // BLOCK_N
+    before = (blo[None, :] < blo[:, None]) | ((blo[None, :] == blo[:, None]) & (jr[None, :] < jr[:, None]))
+    prev_hi = tl.max(tl.where(before, bhi[None, :], 0), axis=1)
+    start = tl.maximum(blo, prev_hi)
+    length = tl.maximum(bhi - start, 0)
+    return start, length, tl.cumsum(length, 0) - length
+
+
+@triton.jit
+def kv_block_at(it, start, length, cumx):
+    """The key block visited at flat iteration ``it`` of the merged ranges."""
+    sel = (cumx <= it) & (it < cumx + length)
+    return tl.sum(tl.where(sel, start + it - cumx, 0), axis=0)
+
+
+@triton.jit
+def block_is_full(n0, n1, clo, chi):
+    """True when every row of the query block sees all of key columns ``[n0, n1)``."""
+    return tl.max(tl.where((clo <= n0) & (n1 <= chi), 1, 0), axis=0) != 0
+
+
+@triton.jit
+def interval_visibility(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, cols, L, n0, hlo, hhi,
+                        fx_t, fx_c, fx_w, fx_f,
+                        NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_T: tl.constexpr, RP: tl.constexpr,
+                        BLOCK_N: tl.constexpr, TRANS: tl.constexpr):
+    """Bool tile of visible pairs: ``(rows, cols)``, or ``(cols, rows)`` when TRANS.
+
+    Only intervals whose hull meets this key block are evaluated, so an
+    interval that is empty for the block's rows (a widened func's padding)
+    costs one scalar test.
+    """
+    jr = tl.arange(0, RP)
+    rel = tl.sum(tl.where((hlo < n0 + BLOCK_N) & (hhi > n0), 1 << jr, 0), axis=0)
+    if TRANS:
+        vis = (cols[:, None] < 0) & (rows[None, :] < 0)
+    else:
+        vis = (rows[:, None] < 0) & (cols[None, :] < 0)
+    for j in tl.static_range((NFUNC + 1) // 2):
+        if ((rel >> j) & 1) != 0:
+            s, e = row_interval(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, L, j, MODE, fx_t, fx_c, fx_w, fx_f, HAS_T)
+            if TRANS:
+                vis = vis | ((cols[:, None] >= s[None, :]) & (cols[:, None] < e[None, :]))
+            else:
+                vis = vis | ((cols[None, :] >= s[:, None]) & (cols[None, :] < e[:, None]))
+    return vis
+
+
+@triton.jit
+def locate_block(TAB, CUM, flat, nseq):
+    """Flat block index -> (sequence, block within it); the sequence is ``nseq`` past the last block."""
+    seq = tl.load(TAB + flat).to(tl.int32)
+    local = flat - tl.load(CUM + tl.minimum(seq, nseq - 1)).to(tl.int32)
+    return seq, local
+
+
+@triton.jit
+def _plan_kernel(FUNC, OFFS, NT, QTAB, QCUM, KCUM, BOUNDS, QLO, QHI,
+                 stride_fh, stride_fj, stride_ft, nseq, n_qblocks, n_kblocks, fx_c, fx_w, fx_f,
+                 NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_T: tl.constexpr, RP: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Per query block: store its hull/core vectors; per key block: min/max query block that sees it."""
+    pid = tl.program_id(0)
+    hf = tl.program_id(1)
+    seq, qb = locate_block(QTAB, QCUM, pid, nseq)
+    if seq < nseq:
+        seq_start = tl.load(OFFS + seq).to(tl.int64)
+        L = (tl.load(OFFS + seq + 1) - seq_start).to(tl.int32)
+        fx_t = 0
+        if HAS_T:
+            fx_t = tl.load(NT + seq).to(tl.int32)
+        rows = qb * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < L
+        rows_g = seq_start + rows
+        fbase = FUNC + hf * stride_fh
+        hlo, hhi, clo, chi = block_bounds(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, L, fx_t, fx_c, fx_w, fx_f,
+                                          NFUNC, MODE, HAS_T, RP)
+        jr = tl.arange(0, RP)
+        out = BOUNDS + (hf * n_qblocks + pid) * 4 * RP + jr
+        tl.store(out, hlo)
+        tl.store(out + RP, hhi)
+        tl.store(out + 2 * RP, clo)
+        tl.store(out + 3 * RP, chi)
+        kbase = hf * n_kblocks + tl.load(KCUM + seq).to(tl.int32)
+        for j in tl.static_range((NFUNC + 1) // 2):
+            blo = tl.sum(tl.where(jr == j, hlo // BLOCK_N, 0), axis=0)
+            bhi = tl.sum(tl.where(jr == j, (hhi + BLOCK_N - 1) // BLOCK_N, 0), axis=0)
+            for c0 in range(blo, bhi, 64):
+                kbs = c0 + tl.arange(0, 64)
+                m = kbs < bhi
+                tl.atomic_min(QLO + kbase + kbs, qb + tl.zeros_like(kbs), mask=m)
+                tl.atomic_max(QHI + kbase + kbs, qb + 1 + tl.zeros_like(kbs), mask=m)
+
+
+@triton.jit
+def causal_bounds(m0, L, BLOCK_M: tl.constexpr, RP: tl.constexpr):
+    """Closed-form hull/core of a causal query block starting at row ``m0``: rows see ``[0, i + 1)``."""
+    jr = tl.arange(0, RP)
+    first = jr == 0
+    hlo = tl.where(first, 0, 1 << 30)
+    hhi = tl.where(first, tl.minimum(m0 + BLOCK_M, L), 0)
+    clo = tl.where(first, 0, 1 << 30)
+    chi = tl.where(first, m0 + 1, 0)
+    return hlo, hhi, clo, chi
