@@ -1,4 +1,4 @@
-"""The ``flexhstu`` command: demo, show-mask."""
+"""The ``flexhstu`` command: demo, show-mask, bench."""
 
 from __future__ import annotations
 
@@ -123,8 +123,20 @@ def main(argv: list[str] | None = None) -> int:
     show.add_argument("-o", "--output", default="mask.png")
     show.set_defaults(fn=cmd_show_mask)
 
-    args = parser.parse_args(argv)
+    bench = sub.add_parser("bench", help="time hstu_mha against SDPA on a GPU (--suite, or your own shape)", add_help=False)
+    bench.set_defaults(fn=lambda a: _bench_main(a.rest))
+
+    args, rest = parser.parse_known_args(argv)
+    if args.command != "bench" and rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.rest = rest
     return args.fn(args)
+
+
+def _bench_main(rest: list[str]) -> int:
+    from .. import bench
+
+    return bench.main(rest)
 
 
 if __name__ == "__main__":

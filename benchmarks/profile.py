@@ -1,0 +1,67 @@
+"""Where the time goes: host time per call (no sync) and per-kernel device time, for a few configurations.
+
+``python benchmarks/profile.py``: prints, per configuration, the host microseconds of
+one forward and one forward+backward call (launch-bound when larger than device
+time) and the device time of every kernel from torch.profiler.
+"""
+
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import flexhstu
+from flexhstu import Kernel, masks
+
+
+def offsets(lengths):
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda")
+
+
+def main():
+    g = torch.Generator().manual_seed(0)
+    cfgs = {
+        "A causal B32 S1024": ([1024] * 32, {}),
+        "C causal": ([8192] * 4, {}),
+        "C sla": ([8192] * 4, "sla"),
+        "C targets": ([8192] * 4, "targets"),
+        "L sla": ([131072], "sla"),
+    }
+    for name, (lengths, kw) in cfgs.items():
+        offs = offsets(lengths)
+        total, n = sum(lengths), max(lengths)
+        if kw == "sla":
+            kw = {"attn_func": masks.sla(offs, 256, 32)}
+        elif kw == "targets":
+            kw = {"num_targets": torch.full((len(lengths),), 256, device="cuda")}
+        q, k, v = (torch.randn(total, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        do = torch.randn_like(q)
+
+        def fwd():
+            return flexhstu.hstu_mha(n, None, q, k, v, offs, kernel=Kernel.TRITON, **kw)
+
+        def fb():
+            return torch.autograd.grad(fwd(), (q, k, v), do)
+
+        for _ in range(3):
+            fb()
+        torch.cuda.synchronize()
+        host = {}
+        for label, fn in (("fwd", fwd), ("fwd+bwd", fb)):
+            t0 = time.perf_counter()
+            for _ in range(20):
+                fn()
+            host[label] = (time.perf_counter() - t0) / 20 * 1e6
+            torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                fb()
+            torch.cuda.synchronize()
+        print(f"\n== {name}: host us/call fwd {host['fwd']:.0f}, fwd+bwd {host['fwd+bwd']:.0f}")
+        rows = [(e.key, e.device_time_total / 5, e.count / 5) for e in prof.key_averages()]
+        for key, us, cnt in sorted(rows, key=lambda r: -r[1])[:8]:
+            print(f"   {us:9.1f} us  x{cnt:.0f}  {key[:70]}")
+
+
+if __name__ == "__main__":
+    main()
