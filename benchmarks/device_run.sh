@@ -11,7 +11,7 @@ for s in $stages; do
   case $s in
     check) timeout 300 python3 benchmarks/gpu_check.py 2>&1 | tee "$OUT/check.log" ;;
     bench) timeout 300 python3 benchmarks/bench.py --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" ;;
-    profile) timeout 200 python3 benchmarks/profile.py 2>&1 | tee "$OUT/profile.log" ;;
+    profile) timeout 200 python3 benchmarks/time_split.py 2>&1 | tee "$OUT/profile.log" ;;
     sweep) timeout 240 python3 benchmarks/sweep.py 2>&1 | tee "$OUT/sweep.log" ;;
   esac
 done

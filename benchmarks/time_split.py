@@ -1,6 +1,6 @@
 """Where the time goes: host time per call (no sync) and per-kernel device time, for a few configurations.
 
-``python benchmarks/profile.py``: prints, per configuration, the host microseconds of
+``python benchmarks/time_split.py``: prints, per configuration, the host microseconds of
 one forward and one forward+backward call (launch-bound when larger than device
 time) and the device time of every kernel from torch.profiler.
 """
