@@ -19,83 +19,99 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .plan import block_bounds, block_is_full, causal_bounds, interval_visibility, kv_block_at, kv_ranges, locate_block
+from .plan import block_bounds, block_is_full, causal_bounds, interval_visibility, kv_block_at, kv_ranges, locate_block, sigmoid, first_block
+
+
+@triton.jit
+def dq_block(q, do, K, V, h, seq_start, L, n0, rows, stride_kt, stride_kh, stride_vt, stride_vh, alpha,
+             BLOCK_N: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, CAUSAL_MASK: tl.constexpr, FAST: tl.constexpr):
+    """Key block ``n0``: ``(dS / c, k)`` with ``dS / c = (do v^T) silu'(s)``, zeroed above the diagonal when CAUSAL_MASK."""
+    cols = n0 + tl.arange(0, BLOCK_N)
+    col_ok = cols < L
+    cols_g = seq_start + cols
+    k = tl.load(K + cols_g[:, None] * stride_kt + h * stride_kh + tl.arange(0, DQK)[None, :], mask=col_ok[:, None], other=0.0)
+    v = tl.load(V + cols_g[:, None] * stride_vt + h * stride_vh + tl.arange(0, DV)[None, :], mask=col_ok[:, None], other=0.0)
+    s = tl.dot(q, tl.trans(k)) * alpha
+    sig = sigmoid(s, FAST)
+    ds = tl.dot(do, tl.trans(v)) * sig * (1.0 + s * (1.0 - sig))
+    if CAUSAL_MASK:
+        ds = tl.where(cols[None, :] <= rows[:, None], ds, 0.0)
+    return ds, k
 
 
 @triton.jit
 def hstu_backward_dq_kernel(
-    Q, K, V, DO, DQ, FUNC, OFFS, NT, QTAB, QCUM,
+    Q, K, V, DO, DQ, FUNC, OFFS, NT, QTAB,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-    stride_dqt, stride_dqh, stride_fh, stride_fj, stride_ft, nseq, n_flat, fx_c, fx_w, fx_f,
+    stride_dqt, stride_dqh, stride_fh, stride_fj, stride_ft, n_flat, fx_c, fx_w, fx_f,
     alpha, dq_scale,  # dq_scale = alpha / scaling
-    NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_T: tl.constexpr, RP: tl.constexpr,
+    NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_T: tl.constexpr, RP: tl.constexpr, FAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
 ):
     pid = n_flat - 1 - tl.program_id(0)
     h = tl.program_id(1)
-    seq, qb = locate_block(QTAB, QCUM, pid, nseq)
-    if seq < nseq:
-        seq_start = tl.load(OFFS + seq).to(tl.int64)
-        L = (tl.load(OFFS + seq + 1) - seq_start).to(tl.int32)
-        fx_t = 0
-        if HAS_T:
-            fx_t = tl.load(NT + seq).to(tl.int32)
+    seq, qb = locate_block(QTAB, OFFS, pid, BLOCK_M)
+    seq_start = tl.load(OFFS + seq).to(tl.int64)
+    L = (tl.load(OFFS + seq + 1) - seq_start).to(tl.int32)
+    if qb * BLOCK_M < L:
         m0 = qb * BLOCK_M
         rows = m0 + tl.arange(0, BLOCK_M)
         row_ok = rows < L
         rows_g = seq_start + rows
-        fbase = FUNC + h * stride_fh
+        q = tl.load(Q + rows_g[:, None] * stride_qt + h * stride_qh + tl.arange(0, DQK)[None, :], mask=row_ok[:, None], other=0.0)
+        do = tl.load(DO + rows_g[:, None] * stride_dot + h * stride_doh + tl.arange(0, DV)[None, :], mask=row_ok[:, None], other=0.0)
+        acc = tl.zeros((BLOCK_M, DQK), dtype=tl.float32)
         if MODE == 1:
-            hlo, hhi, clo, chi = causal_bounds(m0, L, BLOCK_M, RP)
+            n_full = (m0 + 1) // BLOCK_N
+            n_end = (tl.minimum(m0 + BLOCK_M, L) + BLOCK_N - 1) // BLOCK_N
+            for kb in range(0, n_full):
+                ds, k = dq_block(q, do, K, V, h, seq_start, L, kb * BLOCK_N, rows, stride_kt, stride_kh, stride_vt, stride_vh,
+                                 alpha, BLOCK_N, DQK, DV, False, FAST)
+                acc += tl.dot(ds.to(k.dtype), k)
+            for kb in range(n_full, n_end):
+                ds, k = dq_block(q, do, K, V, h, seq_start, L, kb * BLOCK_N, rows, stride_kt, stride_kh, stride_vt, stride_vh,
+                                 alpha, BLOCK_N, DQK, DV, True, FAST)
+                acc += tl.dot(ds.to(k.dtype), k)
         else:
+            fx_t = 0
+            if HAS_T:
+                fx_t = tl.load(NT + seq).to(tl.int32)
+            fbase = FUNC + h * stride_fh
             hlo, hhi, clo, chi = block_bounds(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, L, fx_t, fx_c, fx_w, fx_f,
                                               NFUNC, MODE, HAS_T, RP)
-        kstart, klen, kcum = kv_ranges(hlo, hhi, BLOCK_N, RP)
-        n_iter = tl.sum(klen, axis=0)
-
-        dqk = tl.arange(0, DQK)
-        dv = tl.arange(0, DV)
-        q = tl.load(Q + rows_g[:, None] * stride_qt + h * stride_qh + dqk[None, :], mask=row_ok[:, None], other=0.0)
-        do = tl.load(DO + rows_g[:, None] * stride_dot + h * stride_doh + dv[None, :], mask=row_ok[:, None], other=0.0)
-        acc = tl.zeros((BLOCK_M, DQK), dtype=tl.float32)
-        for it in range(n_iter):
-            n0 = kv_block_at(it, kstart, klen, kcum) * BLOCK_N
-            cols = n0 + tl.arange(0, BLOCK_N)
-            col_ok = cols < L
-            cols_g = seq_start + cols
-            k = tl.load(K + cols_g[:, None] * stride_kt + h * stride_kh + dqk[None, :], mask=col_ok[:, None], other=0.0)
-            v = tl.load(V + cols_g[:, None] * stride_vt + h * stride_vh + dv[None, :], mask=col_ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)) * alpha
-            sig = 1.0 / (1.0 + tl.exp2(-s * 1.4426950408889634))
-            dp = tl.dot(do, tl.trans(v))
-            ds = dp * sig * (1.0 + s * (1.0 - sig))
-            if not block_is_full(n0, tl.minimum(n0 + BLOCK_N, L), clo, chi):
-                vis = interval_visibility(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, cols, L, n0, hlo, hhi,
-                                          fx_t, fx_c, fx_w, fx_f, NFUNC, MODE, HAS_T, RP, BLOCK_N, False)
-                ds = tl.where(vis, ds, 0.0)
-            acc += tl.dot(ds.to(k.dtype), k)
-        tl.store(DQ + rows_g[:, None] * stride_dqt + h * stride_dqh + dqk[None, :], (acc * dq_scale).to(DQ.dtype.element_ty),
-                 mask=row_ok[:, None])
+            kstart, klen, kcum = kv_ranges(hlo, hhi, BLOCK_N, RP)
+            for it in range(tl.sum(klen, axis=0)):
+                n0 = kv_block_at(it, kstart, klen, kcum) * BLOCK_N
+                ds, k = dq_block(q, do, K, V, h, seq_start, L, n0, rows, stride_kt, stride_kh, stride_vt, stride_vh,
+                                 alpha, BLOCK_N, DQK, DV, False, FAST)
+                if not block_is_full(n0, tl.minimum(n0 + BLOCK_N, L), clo, chi):
+                    cols = n0 + tl.arange(0, BLOCK_N)
+                    vis = interval_visibility(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, cols, L, n0, hlo, hhi,
+                                              fx_t, fx_c, fx_w, fx_f, NFUNC, MODE, HAS_T, RP, BLOCK_N, False)
+                    ds = tl.where(vis, ds, 0.0)
+                acc += tl.dot(ds.to(k.dtype), k)
+        tl.store(DQ + rows_g[:, None] * stride_dqt + h * stride_dqh + tl.arange(0, DQK)[None, :],
+                 (acc * dq_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
 def hstu_backward_dkdv_kernel(
-    Q, K, V, DO, GRAD_K, GRAD_V, FUNC, OFFS, NT, KTAB, KCUM, QCUM, BOUNDS, QLO, QHI,
+    Q, K, V, DO, GRAD_K, GRAD_V, FUNC, OFFS, NT, KTAB, BOUNDS, QLO, QHI,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_fh, stride_fj, stride_ft,
-    plan_head, nseq, n_qblocks, n_kblocks, n_split, chunk, fx_c, fx_w, fx_f,
+    plan_head, n_qblocks, n_kblocks, n_split, chunk, fx_c, fx_w, fx_f,
     alpha, dk_scale, dv_scale,  # alpha / scaling, 1 / scaling
-    NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_T: tl.constexpr, RP: tl.constexpr,
+    NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_T: tl.constexpr, RP: tl.constexpr, FAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kflat = pid // n_split
     split = pid % n_split
     h = tl.program_id(1)
-    seq, kb = locate_block(KTAB, KCUM, kflat, nseq)
-    if seq < nseq:
-        seq_start = tl.load(OFFS + seq).to(tl.int64)
-        L = (tl.load(OFFS + seq + 1) - seq_start).to(tl.int32)
+    seq, kb = locate_block(KTAB, OFFS, kflat, BLOCK_N)
+    seq_start = tl.load(OFFS + seq).to(tl.int64)
+    L = (tl.load(OFFS + seq + 1) - seq_start).to(tl.int32)
+    if kb * BLOCK_N < L:
         fx_t = 0
         if HAS_T:
             fx_t = tl.load(NT + seq).to(tl.int32)
@@ -123,7 +139,7 @@ def hstu_backward_dkdv_kernel(
             jr = tl.arange(0, RP)
             k = tl.load(K + cols_g[:, None] * stride_kt + h * stride_kh + dqk[None, :], mask=col_ok[:, None], other=0.0)
             v = tl.load(V + cols_g[:, None] * stride_vt + h * stride_vh + dv[None, :], mask=col_ok[:, None], other=0.0)
-            q_flat = tl.load(QCUM + seq).to(tl.int32)
+            q_flat = first_block(OFFS, seq, BLOCK_M)
             acc_k = tl.zeros((BLOCK_N, DQK), dtype=tl.float32)
             acc_v = tl.zeros((BLOCK_N, DV), dtype=tl.float32)
             for qb in range(lo, hi):
@@ -142,7 +158,7 @@ def hstu_backward_dkdv_kernel(
                     clo = tl.load(b + 2 * RP)
                     chi = tl.load(b + 3 * RP)
                 s = tl.dot(k, tl.trans(q)) * alpha  # (BLOCK_N, BLOCK_M): S^T
-                sig = 1.0 / (1.0 + tl.exp2(-s * 1.4426950408889634))
+                sig = sigmoid(s, FAST)
                 p = s * sig
                 dp = tl.dot(v, tl.trans(do))
                 ds = dp * sig * (1.0 + s * (1.0 - sig))

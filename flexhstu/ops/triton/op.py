@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 import triton
 
 from .backward import hstu_backward_dkdv_kernel, hstu_backward_dq_kernel
 from .forward import hstu_forward_kernel
-from .plan import BIG, MODE_CAUSAL, MODE_FIXED, MODE_FUNC, _plan_kernel
-
-LOG2E = math.log2(math.e)
+from .plan import BIG, MODE_CAUSAL, MODE_FIXED, MODE_FUNC, _block_table_kernel, _plan_kernel
 
 POISON_OUTPUTS = False
 """When True, outputs are filled with NaN before the kernels run (the GPU check sets it), so an
@@ -51,23 +47,23 @@ def tiles(dqk: int, dv: int) -> tuple[Tile, Tile, Tile]:
     if d <= 64:
         fwd, dq, dkdv = Tile(128, 64, 4, 3), Tile(128, 64, 4, 3), Tile(64, 128, 4, 3)
     elif d <= 128:
-        fwd, dq, dkdv = Tile(128, 64, 8, 3), Tile(128, 64, 8, 2), Tile(64, 128, 8, 2)
+        fwd, dq, dkdv = Tile(128, 64, 8, 3), Tile(128, 64, 8, 3), Tile(64, 128, 8, 2)  # from benchmarks/sweep.py
     else:
         fwd, dq, dkdv = Tile(64, 64, 4, 2), Tile(64, 32, 4, 2), Tile(32, 64, 4, 2)
     return _env_tile("FWD", fwd), _env_tile("DQ", dq), _env_tile("DKDV", dkdv)
 
 
-def block_table(offs: torch.Tensor, total: int, block: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Flat blocks of every sequence: (sequence of each flat block, first flat block of each sequence, count bound).
+def block_table(offs: torch.Tensor, total: int, block: int) -> tuple[torch.Tensor, int]:
+    """(sequence of each flat block, number of flat blocks) for one block size.
 
-    The bound ``total // block + B`` needs no device read; flat blocks past the
-    last map to sequence ``B``, which the kernels skip.
+    Sequence ``b`` owns flat blocks from ``offs[b] // block + b``; the count
+    ``total // block + B`` needs no device read. One launch, no prefix sum.
     """
-    nblk = torch.div(torch.diff(offs) + (block - 1), block, rounding_mode="floor")
-    cum = F.pad(torch.cumsum(nblk, 0), (1, 0))
-    bound = total // block + offs.numel() - 1
-    seq = torch.searchsorted(cum[1:], torch.arange(bound, device=offs.device, dtype=cum.dtype), right=True)
-    return seq, cum, bound
+    nseq = offs.numel() - 1
+    bound = total // block + nseq
+    tab = torch.empty(bound, dtype=torch.int32, device=offs.device)
+    _block_table_kernel[(nseq,)](offs, tab, BLOCK=block, CHUNK=256)
+    return tab, bound
 
 
 @dataclass
@@ -99,6 +95,24 @@ class Mask:
         return [f, nt, *strides], const
 
 
+def _fast() -> dict:
+    """Attention kernels use tanh.approx for the sigmoid on the GPU; the interpreter has no inline PTX."""
+    return {"FAST": not _interpreting()}
+
+
+class Tables(dict):
+    """Block tables by block size, computed once per call and shared by the forward and the backward."""
+
+    def __init__(self, offs: torch.Tensor, total: int):
+        super().__init__()
+        self.offs, self.total = offs, total
+
+    def get(self, block: int) -> tuple[torch.Tensor, int]:
+        if block not in self:
+            self[block] = block_table(self.offs, self.total, block)
+        return self[block]
+
+
 def _new_like(x: torch.Tensor, *shape: int) -> torch.Tensor:
     out = torch.empty(*(shape or x.shape), dtype=x.dtype, device=x.device)
     return out.fill_(float("nan")) if POISON_OUTPUTS else out
@@ -112,7 +126,7 @@ def _qkv_strides(*xs: torch.Tensor) -> list[int]:
     return [s for x in xs for s in (x.stride(0), x.stride(1))]
 
 
-def forward(q, k, v, offs, mask: Mask, alpha: float, out_scale: float) -> torch.Tensor:
+def forward(q, k, v, offs, mask: Mask, alpha: float, out_scale: float, tables: Optional[Tables] = None) -> torch.Tensor:
     q, k, v = _last_dim_contiguous(q, k, v)
     total, nheads, dqk = q.shape
     dv = v.shape[2]
@@ -120,18 +134,20 @@ def forward(q, k, v, offs, mask: Mask, alpha: float, out_scale: float) -> torch.
     if total == 0:
         return out
     tile, _, _ = tiles(dqk, dv)
-    qtab, qcum, nqb = block_table(offs, total, tile.block_m)
+    tables = tables if tables is not None else Tables(offs, total)
+    qtab, nqb = tables.get(tile.block_m)
     (f, nt, sfh, sfj, sft), const = mask.kernel_args(q)
     hstu_forward_kernel[(nqb, nheads)](
-        q, k, v, out, f, offs, nt, qtab, qcum, *_qkv_strides(q, k, v, out), sfh, sfj, sft,
-        offs.numel() - 1, nqb, mask.contextual, mask.window, mask.min_full, alpha * LOG2E, out_scale / LOG2E,
+        q, k, v, out, f, offs, nt, qtab, *_qkv_strides(q, k, v, out), sfh, sfj, sft,
+        nqb, mask.contextual, mask.window, mask.min_full, alpha, out_scale,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, DQK=dqk, DV=dv, num_warps=tile.num_warps, num_stages=tile.num_stages,
-        **const,
+        **const, **_fast(),
     )
     return out
 
 
-def backward(dout, q, k, v, offs, mask: Mask, alpha: float, out_scale: float, max_seq_len: int):
+def backward(dout, q, k, v, offs, mask: Mask, alpha: float, out_scale: float, max_seq_len: int,
+             tables: Optional[Tables] = None):
     dout, q, k, v = _last_dim_contiguous(dout, q, k, v)
     total, nheads, dqk = q.shape
     dv_dim = v.shape[2]
@@ -140,18 +156,18 @@ def backward(dout, q, k, v, offs, mask: Mask, alpha: float, out_scale: float, ma
         return dq, _new_like(k), _new_like(v)
     _, tq, tkv = tiles(dqk, dv_dim)
     (f, nt, sfh, sfj, sft), const = mask.kernel_args(q)
-    nseq = offs.numel() - 1
     fixed = (mask.contextual, mask.window, mask.min_full)
-    qtab, qcum, nqb = block_table(offs, total, tq.block_m)
+    tables = tables if tables is not None else Tables(offs, total)
+    qtab, nqb = tables.get(tq.block_m)
     hstu_backward_dq_kernel[(nqb, nheads)](
-        q, k, v, dout, dq, f, offs, nt, qtab, qcum, *_qkv_strides(q, k, v, dout, dq), sfh, sfj, sft,
-        nseq, nqb, *fixed, alpha, alpha * out_scale,
+        q, k, v, dout, dq, f, offs, nt, qtab, *_qkv_strides(q, k, v, dout, dq), sfh, sfj, sft,
+        nqb, *fixed, alpha, alpha * out_scale,
         BLOCK_M=tq.block_m, BLOCK_N=tq.block_n, DQK=dqk, DV=dv_dim, num_warps=tq.num_warps, num_stages=tq.num_stages,
-        **const,
+        **const, **_fast(),
     )
     # Key-major pass: its query blocks (BLOCK_M) and key blocks (BLOCK_N) index the plan.
-    ptab, pcum, npb = block_table(offs, total, tkv.block_m)
-    ktab, kcum, nkb = (qtab, qcum, nqb) if tkv.block_n == tq.block_m else block_table(offs, total, tkv.block_n)
+    ptab, npb = tables.get(tkv.block_m)
+    ktab, nkb = tables.get(tkv.block_n)
     # Split a key block's query range when it is long: at most 8 chunks of at least `chunk` query blocks.
     q_blocks_max = max(1, -(-max(max_seq_len, 1) // tkv.block_m))
     chunk = 2 if _interpreting() else max(32, -(-q_blocks_max // 8))
@@ -163,21 +179,21 @@ def backward(dout, q, k, v, offs, mask: Mask, alpha: float, out_scale: float, ma
     per_head = mask.per_head()
     nplan = nheads if per_head else 1
     if mask.mode == MODE_CAUSAL:
-        bounds = qlo = qhi = qcum  # unused: the causal ranges are closed-form
+        bounds = qlo = qhi = ktab  # unused: the causal ranges are closed-form
     else:
         bounds = torch.empty(nplan, npb, 4, const["RP"], dtype=torch.int32, device=q.device)
         qlo = torch.full((nplan, nkb), BIG, dtype=torch.int32, device=q.device)
         qhi = torch.zeros((nplan, nkb), dtype=torch.int32, device=q.device)
         _plan_kernel[(npb, nplan)](
-            f, offs, nt, ptab, pcum, kcum, bounds, qlo, qhi, sfh, sfj, sft, nseq, npb, nkb, *fixed,
+            f, offs, nt, ptab, bounds, qlo, qhi, sfh, sfj, sft, npb, nkb, *fixed,
             BLOCK_M=tkv.block_m, BLOCK_N=tkv.block_n, num_warps=4, **const,
         )
     hstu_backward_dkdv_kernel[(nkb * n_split, nheads)](
-        q, k, v, dout, dk, dv, f, offs, nt, ktab, kcum, pcum, bounds, qlo, qhi,
+        q, k, v, dout, dk, dv, f, offs, nt, ktab, bounds, qlo, qhi,
         *_qkv_strides(q, k, v, dout, dk, dv), sfh, sfj, sft,
-        1 if per_head else 0, nseq, npb, nkb, n_split, chunk, *fixed, alpha, alpha * out_scale, out_scale,
+        1 if per_head else 0, npb, nkb, n_split, chunk, *fixed, alpha, alpha * out_scale, out_scale,
         BLOCK_M=tkv.block_m, BLOCK_N=tkv.block_n, DQK=dqk, DV=dv_dim, num_warps=tkv.num_warps, num_stages=tkv.num_stages,
-        **const,
+        **const, **_fast(),
     )
     return dq, dk, dv
 
@@ -228,6 +244,28 @@ def _backward(ctx, dout):
 hstu_mha_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _HstuAttention(torch.autograd.Function):
+    """Eager path: the same forward/backward as the custom ops, without the op dispatch layer,
+    and with the block tables of the forward reused by the backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, offs, func, num_targets, mode, contextual, window, min_full, alpha, out_scale, max_seq_len):
+        tables = Tables(offs, q.shape[0])
+        out = forward(q, k, v, offs, _mask(func, num_targets, mode, contextual, window, min_full), alpha, out_scale, tables)
+        ctx.save_for_backward(q, k, v, offs, func, num_targets)
+        ctx.rest = (mode, contextual, window, min_full, alpha, out_scale, max_seq_len)
+        ctx.tables = tables
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, offs, func, num_targets = ctx.saved_tensors
+        mode, contextual, window, min_full, alpha, out_scale, max_seq_len = ctx.rest
+        mask = _mask(func, num_targets, mode, contextual, window, min_full)
+        dq, dk, dv = backward(dout, q, k, v, offs, mask, alpha, out_scale, max_seq_len, ctx.tables)
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+
+
 def triton_hstu_mha(q, k, v, seq_offsets, *, func=None, num_targets=None, causal_closed_form=False,
                     contextual: int = 0, window: int = 0, min_full: int = 0,
                     alpha: float, out_scale: float, max_seq_len: int) -> torch.Tensor:
@@ -242,4 +280,7 @@ def triton_hstu_mha(q, k, v, seq_offsets, *, func=None, num_targets=None, causal
         mode = MODE_CAUSAL
     else:
         mode = MODE_FIXED
-    return hstu_mha_fwd(q, k, v, offs, func, num_targets, mode, contextual, window, min_full, alpha, out_scale, max_seq_len)
+    args = (q, k, v, offs, func, num_targets, mode, contextual, window, min_full, alpha, out_scale, max_seq_len)
+    if torch.compiler.is_compiling():
+        return hstu_mha_fwd(*args)
+    return _HstuAttention.apply(*args)

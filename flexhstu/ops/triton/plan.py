@@ -168,25 +168,47 @@ def interval_visibility(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, cols,
 
 
 @triton.jit
-def locate_block(TAB, CUM, flat, nseq):
-    """Flat block index -> (sequence, block within it); the sequence is ``nseq`` past the last block."""
-    seq = tl.load(TAB + flat).to(tl.int32)
-    local = flat - tl.load(CUM + tl.minimum(seq, nseq - 1)).to(tl.int32)
-    return seq, local
+def first_block(OFFS, seq, BLOCK: tl.constexpr):
+    """Flat index of sequence ``seq``'s first block: ``offs[seq] // BLOCK + seq``.
+
+    Consecutive sequences are at least ``cdiv(L, BLOCK)`` apart (at most one
+    spare slot each), so the flat range ``[0, total // BLOCK + B)`` holds every
+    block of every sequence with no prefix sum.
+    """
+    return (tl.load(OFFS + seq) // BLOCK + seq).to(tl.int32)
 
 
 @triton.jit
-def _plan_kernel(FUNC, OFFS, NT, QTAB, QCUM, KCUM, BOUNDS, QLO, QHI,
-                 stride_fh, stride_fj, stride_ft, nseq, n_qblocks, n_kblocks, fx_c, fx_w, fx_f,
+def locate_block(TAB, OFFS, flat, BLOCK: tl.constexpr):
+    """Flat block index -> (sequence, block within it). The block may lie past the
+    sequence's end (a spare slot): callers test ``local * BLOCK < L``."""
+    seq = tl.load(TAB + flat)
+    return seq, flat - first_block(OFFS, seq, BLOCK)
+
+
+@triton.jit
+def _block_table_kernel(OFFS, TAB, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    """One program per sequence: write its id over its flat block slots."""
+    b = tl.program_id(0)
+    lo = first_block(OFFS, b, BLOCK)
+    hi = first_block(OFFS, b + 1, BLOCK)
+    for c0 in range(lo, hi, CHUNK):
+        idx = c0 + tl.arange(0, CHUNK)
+        tl.store(TAB + idx, b + tl.zeros_like(idx), mask=idx < hi)
+
+
+@triton.jit
+def _plan_kernel(FUNC, OFFS, NT, QTAB, BOUNDS, QLO, QHI,
+                 stride_fh, stride_fj, stride_ft, n_qblocks, n_kblocks, fx_c, fx_w, fx_f,
                  NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_T: tl.constexpr, RP: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Per query block: store its hull/core vectors; per key block: min/max query block that sees it."""
     pid = tl.program_id(0)
     hf = tl.program_id(1)
-    seq, qb = locate_block(QTAB, QCUM, pid, nseq)
-    if seq < nseq:
-        seq_start = tl.load(OFFS + seq).to(tl.int64)
-        L = (tl.load(OFFS + seq + 1) - seq_start).to(tl.int32)
+    seq, qb = locate_block(QTAB, OFFS, pid, BLOCK_M)
+    seq_start = tl.load(OFFS + seq).to(tl.int64)
+    L = (tl.load(OFFS + seq + 1) - seq_start).to(tl.int32)
+    if qb * BLOCK_M < L:
         fx_t = 0
         if HAS_T:
             fx_t = tl.load(NT + seq).to(tl.int32)
@@ -202,7 +224,7 @@ def _plan_kernel(FUNC, OFFS, NT, QTAB, QCUM, KCUM, BOUNDS, QLO, QHI,
         tl.store(out + RP, hhi)
         tl.store(out + 2 * RP, clo)
         tl.store(out + 3 * RP, chi)
-        kbase = hf * n_kblocks + tl.load(KCUM + seq).to(tl.int32)
+        kbase = hf * n_kblocks + first_block(OFFS, seq, BLOCK_N)
         for j in tl.static_range((NFUNC + 1) // 2):
             blo = tl.sum(tl.where(jr == j, hlo // BLOCK_N, 0), axis=0)
             bhi = tl.sum(tl.where(jr == j, (hhi + BLOCK_N - 1) // BLOCK_N, 0), axis=0)
@@ -211,6 +233,17 @@ def _plan_kernel(FUNC, OFFS, NT, QTAB, QCUM, KCUM, BOUNDS, QLO, QHI,
                 m = kbs < bhi
                 tl.atomic_min(QLO + kbase + kbs, qb + tl.zeros_like(kbs), mask=m)
                 tl.atomic_max(QHI + kbase + kbs, qb + 1 + tl.zeros_like(kbs), mask=m)
+
+
+@triton.jit
+def sigmoid(x, FAST: tl.constexpr):
+    """sigmoid(x). FAST: one MUFU op, ``0.5 + 0.5 tanh(x / 2)`` with tanh.approx.f32
+    (relative error ~5e-4, far under bf16's); else ``1 / (1 + 2^(-x log2 e))`` (the interpreter's path)."""
+    if FAST:
+        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x * 0.5], dtype=tl.float32, is_pure=True, pack=1)
+        return 0.5 + 0.5 * t
+    else:
+        return 1.0 / (1.0 + tl.exp2(-x * 1.4426950408889634))
 
 
 @triton.jit
