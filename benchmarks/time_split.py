@@ -58,6 +58,17 @@ def main():
                 fb()
             torch.cuda.synchronize()
         print(f"\n== {name}: host us/call fwd {host['fwd']:.0f}, fwd+bwd {host['fwd+bwd']:.0f}")
+        if name.startswith("A"):
+            import cProfile
+            import pstats
+
+            prof_host = cProfile.Profile()
+            prof_host.enable()
+            for _ in range(20):
+                fb()
+            prof_host.disable()
+            torch.cuda.synchronize()
+            pstats.Stats(prof_host).sort_stats("tottime").print_stats(14)
         rows = [(e.key, e.device_time_total / 5, e.count / 5) for e in prof.key_averages()]
         for key, us, cnt in sorted(rows, key=lambda r: -r[1])[:8]:
             print(f"   {us:9.1f} us  x{cnt:.0f}  {key[:70]}")

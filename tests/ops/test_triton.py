@@ -57,12 +57,14 @@ def mask_case(name, offs, lengths, heads):
         return dict(attn_func=torch.randint(-3, n + 3, (heads, 5, t), generator=g, dtype=torch.int32))
     if name == "random-7":
         return dict(attn_func=torch.randint(-3, n + 3, (1, 7, t), generator=g, dtype=torch.int32))
+    if name == "random-9":  # five intervals: the general (non register-resident) path
+        return dict(attn_func=torch.randint(-3, n + 3, (1, 9, t), generator=g, dtype=torch.int32))
     if name == "stride0-expanded":
         return dict(attn_func=masks.sla(offs, 9, 2, nheads=heads))
     raise KeyError(name)
 
 
-CASES = ["causal", "fixed", "fixed-targets", "sla", "sla-widened-7", "onerank", "causal-func", "random-per-head-5", "random-7", "stride0-expanded"]
+CASES = ["causal", "fixed", "fixed-targets", "sla", "sla-widened-7", "onerank", "causal-func", "random-per-head-5", "random-7", "random-9", "stride0-expanded"]
 
 
 def to_device(kw):

@@ -19,7 +19,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .plan import block_bounds, block_is_full, causal_bounds, interval_visibility, kv_block_at, kv_ranges, locate_block, sigmoid, first_block
+from .plan import (block_bounds, block_is_full, bounds4, causal_bounds, first_block, interval_visibility, kv_block_at,
+                   kv_ranges, load_intervals4, locate_block, mask4, sigmoid)
 
 
 @triton.jit
@@ -45,7 +46,7 @@ def hstu_backward_dq_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dqt, stride_dqh, stride_fh, stride_fj, stride_ft, n_flat, fx_c, fx_w, fx_f,
     alpha, dq_scale,  # dq_scale = alpha / scaling
-    NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_T: tl.constexpr, RP: tl.constexpr, FAST: tl.constexpr,
+    NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_T: tl.constexpr, RP: tl.constexpr, FAST: tl.constexpr, HOIST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
 ):
     pid = n_flat - 1 - tl.program_id(0)
@@ -77,8 +78,13 @@ def hstu_backward_dq_kernel(
             if HAS_T:
                 fx_t = tl.load(NT + seq).to(tl.int32)
             fbase = FUNC + h * stride_fh
-            hlo, hhi, clo, chi = block_bounds(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, L, fx_t, fx_c, fx_w, fx_f,
-                                              NFUNC, MODE, HAS_T, RP)
+            if HOIST:
+                s0, e0, s1, e1, s2, e2, s3, e3 = load_intervals4(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, L,
+                                                                 fx_t, fx_c, fx_w, fx_f, NFUNC, MODE, HAS_T)
+                hlo, hhi, clo, chi = bounds4(s0, e0, s1, e1, s2, e2, s3, e3, row_ok, NFUNC, RP)
+            else:
+                hlo, hhi, clo, chi = block_bounds(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, L, fx_t, fx_c, fx_w, fx_f,
+                                                  NFUNC, MODE, HAS_T, RP)
             kstart, klen, kcum = kv_ranges(hlo, hhi, BLOCK_N, RP)
             for it in range(tl.sum(klen, axis=0)):
                 n0 = kv_block_at(it, kstart, klen, kcum) * BLOCK_N
@@ -86,8 +92,11 @@ def hstu_backward_dq_kernel(
                                  alpha, BLOCK_N, DQK, DV, False, FAST)
                 if not block_is_full(n0, tl.minimum(n0 + BLOCK_N, L), clo, chi):
                     cols = n0 + tl.arange(0, BLOCK_N)
-                    vis = interval_visibility(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, cols, L, n0, hlo, hhi,
-                                              fx_t, fx_c, fx_w, fx_f, NFUNC, MODE, HAS_T, RP, BLOCK_N, False)
+                    if HOIST:
+                        vis = mask4(s0, e0, s1, e1, s2, e2, s3, e3, cols, n0, hlo, hhi, NFUNC, RP, BLOCK_N, False)
+                    else:
+                        vis = interval_visibility(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, cols, L, n0, hlo, hhi,
+                                                  fx_t, fx_c, fx_w, fx_f, NFUNC, MODE, HAS_T, RP, BLOCK_N, False)
                     ds = tl.where(vis, ds, 0.0)
                 acc += tl.dot(ds.to(k.dtype), k)
         tl.store(DQ + rows_g[:, None] * stride_dqt + h * stride_dqh + tl.arange(0, DQK)[None, :],
@@ -163,6 +172,8 @@ def hstu_backward_dkdv_kernel(
                 dp = tl.dot(v, tl.trans(do))
                 ds = dp * sig * (1.0 + s * (1.0 - sig))
                 if not block_is_full(n0, n1, clo, chi):
+                    # Intervals are re-read here rather than held in registers: along this kernel's
+                    # transposed tile a row vector costs ~16 registers a thread (measured slower).
                     vis = interval_visibility(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, cols, L, n0, hlo, hhi,
                                               fx_t, fx_c, fx_w, fx_f, NFUNC, MODE, HAS_T, RP, BLOCK_N, True)
                     p = tl.where(vis, p, 0.0)

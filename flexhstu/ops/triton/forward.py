@@ -5,7 +5,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .plan import block_bounds, block_is_full, interval_visibility, kv_block_at, kv_ranges, locate_block, sigmoid
+from .plan import (block_bounds, block_is_full, bounds4, interval_visibility, kv_block_at, kv_ranges, load_intervals4,
+                   locate_block, mask4, sigmoid)
 
 
 @triton.jit
@@ -30,7 +31,7 @@ def hstu_forward_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_fh, stride_fj, stride_ft, n_flat, fx_c, fx_w, fx_f,
     alpha, out_scale,  # out_scale = 1 / scaling_seqlen
-    NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_T: tl.constexpr, RP: tl.constexpr, FAST: tl.constexpr,
+    NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_T: tl.constexpr, RP: tl.constexpr, FAST: tl.constexpr, HOIST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
 ):
     # Last flat blocks first: under causal-like masks they carry the most key blocks.
@@ -63,8 +64,13 @@ def hstu_forward_kernel(
             if HAS_T:
                 fx_t = tl.load(NT + seq).to(tl.int32)
             fbase = FUNC + h * stride_fh
-            hlo, hhi, clo, chi = block_bounds(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, L, fx_t, fx_c, fx_w, fx_f,
-                                              NFUNC, MODE, HAS_T, RP)
+            if HOIST:
+                s0, e0, s1, e1, s2, e2, s3, e3 = load_intervals4(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, L,
+                                                                 fx_t, fx_c, fx_w, fx_f, NFUNC, MODE, HAS_T)
+                hlo, hhi, clo, chi = bounds4(s0, e0, s1, e1, s2, e2, s3, e3, row_ok, NFUNC, RP)
+            else:
+                hlo, hhi, clo, chi = block_bounds(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, L, fx_t, fx_c, fx_w, fx_f,
+                                                  NFUNC, MODE, HAS_T, RP)
             kstart, klen, kcum = kv_ranges(hlo, hhi, BLOCK_N, RP)
             for it in range(tl.sum(klen, axis=0)):
                 n0 = kv_block_at(it, kstart, klen, kcum) * BLOCK_N
@@ -72,8 +78,11 @@ def hstu_forward_kernel(
                               alpha, BLOCK_N, DQK, DV, False, FAST)
                 if not block_is_full(n0, tl.minimum(n0 + BLOCK_N, L), clo, chi):
                     cols = n0 + tl.arange(0, BLOCK_N)
-                    vis = interval_visibility(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, cols, L, n0, hlo, hhi,
-                                              fx_t, fx_c, fx_w, fx_f, NFUNC, MODE, HAS_T, RP, BLOCK_N, False)
+                    if HOIST:
+                        vis = mask4(s0, e0, s1, e1, s2, e2, s3, e3, cols, n0, hlo, hhi, NFUNC, RP, BLOCK_N, False)
+                    else:
+                        vis = interval_visibility(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, cols, L, n0, hlo, hhi,
+                                                  fx_t, fx_c, fx_w, fx_f, NFUNC, MODE, HAS_T, RP, BLOCK_N, False)
                     p = tl.where(vis, p, 0.0)
                 acc += tl.dot(p.to(v.dtype), v)
         out = acc * out_scale

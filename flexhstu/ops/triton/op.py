@@ -84,9 +84,10 @@ class Mask:
         f = self.func
         return f is not None and f.shape[0] > 1 and f.stride(0) != 0
 
-    def kernel_args(self, like: torch.Tensor) -> tuple[list, dict]:
-        """(tensor and stride arguments, constexprs) shared by every kernel."""
-        f = self.func if self.func is not None else like.new_zeros(1, dtype=torch.int32)
+    def kernel_args(self, placeholder: torch.Tensor) -> tuple[list, dict]:
+        """(tensor and stride arguments, constexprs) shared by every kernel. ``placeholder`` stands in
+        for an absent func or num_targets (never read): no allocation per call."""
+        f = self.func if self.func is not None else placeholder
         nt = self.num_targets if self.num_targets is not None else f
         strides = [(f.stride(0) if self.per_head() else 0), f.stride(1) if f.dim() > 1 else 0, f.stride(2) if f.dim() > 2 else 0]
         nfunc = self.nfunc()
@@ -95,9 +96,10 @@ class Mask:
         return [f, nt, *strides], const
 
 
-def _fast() -> dict:
-    """Attention kernels use tanh.approx for the sigmoid on the GPU; the interpreter has no inline PTX."""
-    return {"FAST": not _interpreting()}
+def _fast(mask: "Mask") -> dict:
+    """Attention-kernel switches: tanh.approx sigmoid on the GPU (the interpreter has no inline PTX);
+    register-resident intervals for funcs of up to four intervals."""
+    return {"FAST": not _interpreting(), "HOIST": mask.nfunc() <= 7}
 
 
 class Tables(dict):
@@ -136,12 +138,12 @@ def forward(q, k, v, offs, mask: Mask, alpha: float, out_scale: float, tables: O
     tile, _, _ = tiles(dqk, dv)
     tables = tables if tables is not None else Tables(offs, total)
     qtab, nqb = tables.get(tile.block_m)
-    (f, nt, sfh, sfj, sft), const = mask.kernel_args(q)
+    (f, nt, sfh, sfj, sft), const = mask.kernel_args(offs)
     hstu_forward_kernel[(nqb, nheads)](
         q, k, v, out, f, offs, nt, qtab, *_qkv_strides(q, k, v, out), sfh, sfj, sft,
         nqb, mask.contextual, mask.window, mask.min_full, alpha, out_scale,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, DQK=dqk, DV=dv, num_warps=tile.num_warps, num_stages=tile.num_stages,
-        **const, **_fast(),
+        **const, **_fast(mask),
     )
     return out
 
@@ -155,7 +157,7 @@ def backward(dout, q, k, v, offs, mask: Mask, alpha: float, out_scale: float, ma
     if total == 0:
         return dq, _new_like(k), _new_like(v)
     _, tq, tkv = tiles(dqk, dv_dim)
-    (f, nt, sfh, sfj, sft), const = mask.kernel_args(q)
+    (f, nt, sfh, sfj, sft), const = mask.kernel_args(offs)
     fixed = (mask.contextual, mask.window, mask.min_full)
     tables = tables if tables is not None else Tables(offs, total)
     qtab, nqb = tables.get(tq.block_m)
@@ -163,7 +165,7 @@ def backward(dout, q, k, v, offs, mask: Mask, alpha: float, out_scale: float, ma
         q, k, v, dout, dq, f, offs, nt, qtab, *_qkv_strides(q, k, v, dout, dq), sfh, sfj, sft,
         nqb, *fixed, alpha, alpha * out_scale,
         BLOCK_M=tq.block_m, BLOCK_N=tq.block_n, DQK=dqk, DV=dv_dim, num_warps=tq.num_warps, num_stages=tq.num_stages,
-        **const, **_fast(),
+        **const, **_fast(mask),
     )
     # Key-major pass: its query blocks (BLOCK_M) and key blocks (BLOCK_N) index the plan.
     ptab, npb = tables.get(tkv.block_m)
@@ -193,7 +195,7 @@ def backward(dout, q, k, v, offs, mask: Mask, alpha: float, out_scale: float, ma
         *_qkv_strides(q, k, v, dout, dk, dv), sfh, sfj, sft,
         1 if per_head else 0, npb, nkb, n_split, chunk, *fixed, alpha, alpha * out_scale, out_scale,
         BLOCK_M=tkv.block_m, BLOCK_N=tkv.block_n, DQK=dqk, DV=dv_dim, num_warps=tkv.num_warps, num_stages=tkv.num_stages,
-        **const, **_fast(),
+        **const, FAST=not _interpreting(),
     )
     return dq, dk, dv
 

@@ -256,3 +256,83 @@ def causal_bounds(m0, L, BLOCK_M: tl.constexpr, RP: tl.constexpr):
     clo = tl.where(first, 0, 1 << 30)
     chi = tl.where(first, m0 + 1, 0)
     return hlo, hhi, clo, chi
+
+
+# Register-resident intervals: for NFUNC <= 7 (up to four intervals) a block's row
+# intervals are loaded once into eight vectors, so masking a key block reads no memory.
+# Wider funcs take the general path above (row_interval reloads per key block).
+
+
+@triton.jit
+def load_intervals4(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, L, fx_t, fx_c, fx_w, fx_f,
+                    NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_T: tl.constexpr):
+    """Intervals 0..3 of each row as (s0, e0, ..., s3, e3); absent intervals are ``[0, 0)``."""
+    s0, e0 = row_interval(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, L, 0, MODE, fx_t, fx_c, fx_w, fx_f, HAS_T)
+    s1 = tl.zeros_like(rows)
+    e1 = tl.zeros_like(rows)
+    s2 = tl.zeros_like(rows)
+    e2 = tl.zeros_like(rows)
+    s3 = tl.zeros_like(rows)
+    e3 = tl.zeros_like(rows)
+    if NFUNC >= 3:
+        s1, e1 = row_interval(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, L, 1, MODE, fx_t, fx_c, fx_w, fx_f, HAS_T)
+    if NFUNC >= 5:
+        s2, e2 = row_interval(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, L, 2, MODE, fx_t, fx_c, fx_w, fx_f, HAS_T)
+    if NFUNC >= 7:
+        s3, e3 = row_interval(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, L, 3, MODE, fx_t, fx_c, fx_w, fx_f, HAS_T)
+    return s0, e0, s1, e1, s2, e2, s3, e3
+
+
+@triton.jit
+def _fold_bounds(hlo, hhi, clo, chi, s, e, row_ok, jr, j: tl.constexpr):
+    nonempty = e > s
+    hlo = tl.where(jr == j, tl.min(tl.where(nonempty, s, 1 << 30), axis=0), hlo)
+    hhi = tl.where(jr == j, tl.max(tl.where(nonempty, e, 0), axis=0), hhi)
+    clo = tl.where(jr == j, tl.max(tl.where(row_ok, s, 0), axis=0), clo)
+    chi = tl.where(jr == j, tl.min(tl.where(row_ok, e, 1 << 30), axis=0), chi)
+    return hlo, hhi, clo, chi
+
+
+@triton.jit
+def bounds4(s0, e0, s1, e1, s2, e2, s3, e3, row_ok, NFUNC: tl.constexpr, RP: tl.constexpr):
+    """block_bounds from register-resident intervals."""
+    jr = tl.arange(0, RP)
+    hlo = tl.full((RP,), 1 << 30, tl.int32)
+    hhi = tl.zeros((RP,), tl.int32)
+    clo = tl.full((RP,), 1 << 30, tl.int32)
+    chi = tl.zeros((RP,), tl.int32)
+    hlo, hhi, clo, chi = _fold_bounds(hlo, hhi, clo, chi, s0, e0, row_ok, jr, 0)
+    if NFUNC >= 3:
+        hlo, hhi, clo, chi = _fold_bounds(hlo, hhi, clo, chi, s1, e1, row_ok, jr, 1)
+    if NFUNC >= 5:
+        hlo, hhi, clo, chi = _fold_bounds(hlo, hhi, clo, chi, s2, e2, row_ok, jr, 2)
+    if NFUNC >= 7:
+        hlo, hhi, clo, chi = _fold_bounds(hlo, hhi, clo, chi, s3, e3, row_ok, jr, 3)
+    return hlo, hhi, clo, chi
+
+
+@triton.jit
+def _inside(s, e, cols, TRANS: tl.constexpr):
+    if TRANS:
+        return (cols[:, None] >= s[None, :]) & (cols[:, None] < e[None, :])
+    else:
+        return (cols[None, :] >= s[:, None]) & (cols[None, :] < e[:, None])
+
+
+@triton.jit
+def mask4(s0, e0, s1, e1, s2, e2, s3, e3, cols, n0, hlo, hhi,
+          NFUNC: tl.constexpr, RP: tl.constexpr, BLOCK_N: tl.constexpr, TRANS: tl.constexpr):
+    """interval_visibility from register-resident intervals; intervals whose hull misses the block are skipped."""
+    jr = tl.arange(0, RP)
+    rel = tl.sum(tl.where((hlo < n0 + BLOCK_N) & (hhi > n0), 1 << jr, 0), axis=0)
+    vis = _inside(s0, e0, cols, TRANS) & ((rel & 1) != 0)
+    if NFUNC >= 3:
+        if (rel & 2) != 0:
+            vis = vis | _inside(s1, e1, cols, TRANS)
+    if NFUNC >= 5:
+        if (rel & 4) != 0:
+            vis = vis | _inside(s2, e2, cols, TRANS)
+    if NFUNC >= 7:
+        if (rel & 8) != 0:
+            vis = vis | _inside(s3, e3, cols, TRANS)
+    return vis
