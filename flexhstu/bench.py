@@ -35,6 +35,7 @@ class Case:
     group: int = 12
     memory: bool = False
     sdpa: bool = True
+    graph: bool = True
 
 
 @dataclass
@@ -52,6 +53,8 @@ class Row:
     sdpa_fwd_tflops: float = float("nan")
     sdpa_fwdbwd_tflops: float = float("nan")
     peak_mem_ratio: float = float("nan")
+    graph_fwdbwd_ms: float = float("nan")
+    sdpa_graph_fwdbwd_ms: float = float("nan")
     extra: dict = field(default_factory=dict)
 
 
@@ -100,6 +103,24 @@ def _bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def _graphed_ms(fn) -> float:
+    """Median replay time of ``fn`` captured in a CUDA graph (no host work per call); NaN if capture fails."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return _bench(graph.replay)
+    except Exception as e:  # reported as '-' in the table, with the reason on stdout
+        print(f"  graph capture failed: {type(e).__name__}: {e}")
+        return float("nan")
+
+
 def run_case(case: Case, device: str = "cuda", dtype=torch.bfloat16) -> Row:
     torch.manual_seed(0)
     offs = _offsets(case.lengths, device)
@@ -124,6 +145,8 @@ def run_case(case: Case, device: str = "cuda", dtype=torch.bfloat16) -> Row:
     fwd_ms, fb_ms = _bench(fwd), _bench(fwdbwd)
     row = Row(case.name, func.shape[1], pairs, first, fwd_ms, fb_ms,
               4 * pairs * d / fwd_ms / 1e9, 14 * pairs * d / fb_ms / 1e9)
+    if case.graph:
+        row.graph_fwdbwd_ms = _graphed_ms(fwdbwd)
     if case.memory:
         # Peak over the forward+backward, with q, k, v, dout already allocated, against the bytes of
         # the eight tensors it must hold (q, k, v, out, dout, dq, dk, dv); everything else counts against us.
@@ -151,6 +174,8 @@ def run_case(case: Case, device: str = "cuda", dtype=torch.bfloat16) -> Row:
             return torch.autograd.grad(sfwd(), (qs, ks, vs), ds)
 
         row.sdpa_fwd_ms, row.sdpa_fwdbwd_ms = _bench(sfwd), _bench(sfb)
+        if case.graph:
+            row.sdpa_graph_fwdbwd_ms = _graphed_ms(sfb)
         row.sdpa_fwd_tflops = 4 * sdpa_pairs * d / row.sdpa_fwd_ms / 1e9
         row.sdpa_fwdbwd_tflops = 14 * sdpa_pairs * d / row.sdpa_fwdbwd_ms / 1e9
     return row
@@ -168,6 +193,13 @@ def table(rows: list[Row]) -> str:
             f"| {r.fwdbwd_ms:.3f} | {r.fwdbwd_tflops:.0f} | {r.sdpa_fwd_ms:.3f} | {r.sdpa_fwdbwd_ms:.3f} "
             f"| {fr:.2f} | {br:.2f} | {r.peak_mem_ratio:.2f} |"
         )
+    graphed = [r for r in rows if not math.isnan(r.graph_fwdbwd_ms)]
+    if graphed:
+        lines += ["", "CUDA-graph replay of forward+backward (no host work per call):", "",
+                  "| config | fwd+bwd ms (graph) | SDPA fwd+bwd ms (graph) | ratio |", "|---|---|---|---|"]
+        for r in graphed:
+            lines.append(f"| {r.name} | {r.graph_fwdbwd_ms:.3f} | {r.sdpa_graph_fwdbwd_ms:.3f} "
+                         f"| {r.sdpa_graph_fwdbwd_ms / r.graph_fwdbwd_ms:.2f} |")
     return "\n".join(lines).replace("| nan ", "| - ")
 
 
