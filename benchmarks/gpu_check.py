@@ -65,13 +65,15 @@ def mask_kwargs(name, offs, lengths, heads):
     raise KeyError(name)
 
 
-def full_check(lengths, heads, dim, dtype, names):
+def full_check(lengths, heads, dim, dtype, names, dim_v=None):
     offs = offsets(lengths)
     total, n = sum(lengths), max(lengths)
+    dim_v = dim_v or dim
     for name in names:
         kw = mask_kwargs(name, offs, lengths, heads)
-        q, k, v = (torch.randn(total, heads, dim, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
-        dout = torch.randn(total, heads, dim, device="cuda", dtype=dtype)
+        q, k = (torch.randn(total, heads, dim, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
+        v = torch.randn(total, heads, dim_v, device="cuda", dtype=dtype, requires_grad=True)
+        dout = torch.randn(total, heads, dim_v, device="cuda", dtype=dtype)
         out = flexhstu.hstu_mha(n, None, q, k, v, offs, kernel=Kernel.TRITON, **kw)
         grads = torch.autograd.grad(out, (q, k, v), dout)
         q32, k32, v32 = (x.detach().float().requires_grad_(True) for x in (q, k, v))
@@ -79,7 +81,7 @@ def full_check(lengths, heads, dim, dtype, names):
         rgrads = torch.autograd.grad(ref, (q32, k32, v32), dout.float())
         errs = {"out": rel(out, ref)}
         errs.update({w: rel(g, r) for w, g, r in zip(("dq", "dk", "dv"), grads, rgrads)})
-        report(f"{name} D{dim} {str(dtype)[6:]} L={lengths}", errs)
+        report(f"{name} Dqk{dim} Dv{dim_v} {str(dtype)[6:]} L={lengths}", errs)
         del ref, rgrads, q32, k32, v32
         torch.cuda.empty_cache()
 
@@ -144,10 +146,23 @@ def sampled_check(name, lengths, heads, dim, func_builder, causal_path=False):
     report(f"{name} total={total} H{heads} D{dim} ({elapsed:.1f}s)", errs)
 
 
+def dims_check() -> None:
+    """Head dims at the edges of the supported range, and Dqk != Dv."""
+    names = ["causal", "sla 256/32", "random per-head 5"]
+    full_check([2048, 777, 0], 2, 256, torch.bfloat16, names)
+    full_check([1500, 33], 2, 16, torch.bfloat16, names)
+    full_check([2048, 901], 2, 64, torch.bfloat16, names, dim_v=128)
+    full_check([2048, 901], 2, 128, torch.float16, names, dim_v=32)
+
+
 def main() -> int:
     triton_op.POISON_OUTPUTS = True
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)
+    if "--dims" in sys.argv:
+        dims_check()
+        print(f"\n{len(failures)} failed" + "".join(f"\n  {f}" for f in failures))
+        return 1 if failures else 0
     all_names = ["causal", "fixed targets+ctx+window", "sla 256/32", "sla 256/32 widened 5", "onerank",
                  "random per-head 5", "sla stride-0 expand"]
     full_check([8192, 0, 5013, 777], 2, 128, torch.bfloat16, all_names)
@@ -157,6 +172,7 @@ def main() -> int:
     sampled_check("causal 131072-token sequence", [131072], 1, 64, lambda o, t: masks.causal(o, total=t), causal_path=True)
     big = [4000] * 1100  # 4.4M rows * 4 heads * 128 = 2.25e9 elements > 2**31
     sampled_check("sla total*H*D > 2^31", big, 4, 128, lambda o, t: masks.sla(o, 256, 32, total=t))
+    dims_check()
     print(f"\n{len(failures)} failed" + "".join(f"\n  {f}" for f in failures))
     return 1 if failures else 0
 
