@@ -1,4 +1,4 @@
-"""The ``flexhstu`` command: demo, show-mask, bench."""
+"""The ``flexhstu`` command: demo, show-mask, bench, train."""
 
 from __future__ import annotations
 
@@ -126,11 +126,21 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="time hstu_mha against SDPA on a GPU (--suite, or your own shape)", add_help=False)
     bench.set_defaults(fn=lambda a: _bench_main(a.rest))
 
+    train = sub.add_parser("train", help="train and evaluate a model (see flexhstu train --help)", add_help=False)
+    train.set_defaults(fn=lambda a: _train_main(a.rest))
+
     args, rest = parser.parse_known_args(argv)
-    if args.command != "bench" and rest:
+    if args.command not in ("bench", "train") and rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.rest = rest
     return args.fn(args)
+
+
+def _train_main(rest: list[str]) -> int:
+    from .. import train
+
+    train.main(rest)
+    return 0
 
 
 def _bench_main(rest: list[str]) -> int:

@@ -1,0 +1,6 @@
+"""Interaction data: MovieLens readers, a synthetic generator, Parquet caching, sequence splits."""
+
+from .movielens import Interactions, load, synthetic
+from .sequences import UserSequences, leave_one_out
+
+__all__ = ["Interactions", "UserSequences", "leave_one_out", "load", "synthetic"]

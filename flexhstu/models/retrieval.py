@@ -1,0 +1,133 @@
+"""Next-item retrieval: HSTU (STU stack, causal or SLA mask), a SASRec-style softmax-attention
+baseline of the same size, and popularity. Sampled-softmax training on cosine similarity."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import masks
+from ..nn import InputEncoder, STULayerConfig, STUStack
+from ..ops import Kernel
+
+
+@dataclass
+class SeqBatch:
+    """A jagged batch of user histories: inputs, next-item targets (0 = none), offsets."""
+
+    items: torch.Tensor
+    times: torch.Tensor
+    targets: torch.Tensor
+    offsets: torch.Tensor
+    max_len: int
+
+    def to(self, device) -> "SeqBatch":
+        return SeqBatch(self.items.to(device), self.times.to(device), self.targets.to(device), self.offsets.to(device), self.max_len)
+
+
+def make_batch(items: list[np.ndarray], times: list[np.ndarray], max_len: int, with_targets: bool = True) -> SeqBatch:
+    """``with_targets``: inputs ``s[:-1]`` and targets ``s[1:]`` (the last ``max_len``); else inputs ``s`` (last ``max_len``)."""
+    ins, ts, tg, offs = [], [], [], [0]
+    for s, t in zip(items, times):
+        if with_targets:
+            s_in, t_in, s_tg = s[:-1][-max_len:], t[:-1][-max_len:], s[1:][-max_len:]
+        else:
+            s_in, t_in, s_tg = s[-max_len:], t[-max_len:], np.zeros(min(len(s), max_len), dtype=np.int64)
+        ins.append(s_in), ts.append(t_in), tg.append(s_tg)
+        offs.append(offs[-1] + len(s_in))
+    cat = lambda xs: torch.from_numpy(np.concatenate(xs).astype(np.int64))  # noqa: E731
+    lengths = np.diff(offs)
+    return SeqBatch(cat(ins), cat(ts), cat(tg), torch.tensor(offs, dtype=torch.int64), int(lengths.max()))
+
+
+class _Retrieval(nn.Module):
+    temperature = 0.05
+
+    def states(self, batch: SeqBatch) -> torch.Tensor:  # (total, D)
+        raise NotImplementedError
+
+    def item_table(self) -> torch.Tensor:
+        return F.normalize(self.encoder.items.weight, dim=-1)
+
+    def forward(self, batch: SeqBatch, num_negatives: int, generator: torch.Generator) -> torch.Tensor:
+        """Sampled softmax over the target and ``num_negatives`` uniform negatives shared by the batch."""
+        h = F.normalize(self.states(batch), dim=-1)
+        keep = batch.targets > 0
+        h, tgt = h[keep], batch.targets[keep]
+        table = self.item_table()
+        neg = torch.randint(1, table.shape[0], (num_negatives,), generator=generator).to(h.device)
+        pos_logit = (h * table[tgt]).sum(-1, keepdim=True)
+        neg_logit = h @ table[neg].T
+        neg_logit = neg_logit.masked_fill(neg[None, :] == tgt[:, None], float("-inf"))  # accidental hits
+        logits = torch.cat([pos_logit, neg_logit], dim=1) / self.temperature
+        return F.cross_entropy(logits, torch.zeros(len(tgt), dtype=torch.long, device=h.device))
+
+    @torch.no_grad()
+    def scores(self, batch: SeqBatch) -> torch.Tensor:
+        """(B, num_items + 1) scores from each user's last state."""
+        h = F.normalize(self.states(batch), dim=-1)
+        last = h[batch.offsets[1:] - 1]
+        return last @ self.item_table().T
+
+
+class HSTURetrieval(_Retrieval):
+    def __init__(self, num_items: int, dim: int = 64, layers: int = 2, heads: int = 2, max_len: int = 200,
+                 mask: str = "causal", sla_k1: int = 32, sla_k2: int = 4, dropout: float = 0.2,
+                 kernel: Kernel = Kernel.AUTO):
+        super().__init__()
+        if mask not in ("causal", "sla"):
+            raise ValueError(f"mask: expected 'causal' or 'sla', got {mask!r}")
+        self.encoder = InputEncoder(num_items, dim, max_len)
+        cfg = STULayerConfig(dim, heads, dim // heads, dim // heads, dropout, kernel)
+        self.stack = STUStack(cfg, layers)
+        self.mask, self.sla_k1, self.sla_k2 = mask, sla_k1, sla_k2
+        self.dropout = nn.Dropout(dropout)
+
+    def states(self, batch: SeqBatch) -> torch.Tensor:
+        x = self.dropout(self.encoder(batch.items, batch.times, batch.offsets))
+        kw = {}
+        if self.mask == "sla":
+            kw["attn_func"] = masks.sla(batch.offsets, self.sla_k1, self.sla_k2, total=x.shape[0], _check=False)
+        return self.stack(x, batch.offsets, batch.max_len, **kw)
+
+
+class SASRecRetrieval(_Retrieval):
+    """Softmax self-attention (pre-norm transformer, causal) with the same embeddings and size."""
+
+    def __init__(self, num_items: int, dim: int = 64, layers: int = 2, heads: int = 2, max_len: int = 200,
+                 dropout: float = 0.2):
+        super().__init__()
+        self.encoder = InputEncoder(num_items, dim, max_len)
+        layer = nn.TransformerEncoderLayer(dim, heads, 2 * dim, dropout, batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(dim)
+        self.dropout = nn.Dropout(dropout)
+
+    def states(self, batch: SeqBatch) -> torch.Tensor:
+        x = self.dropout(self.encoder(batch.items, batch.times, batch.offsets))
+        offs = batch.offsets
+        lengths = offs[1:] - offs[:-1]
+        n = batch.max_len
+        pos = torch.arange(n, device=x.device)
+        valid = pos[None, :] < lengths[:, None]
+        rows = (offs[:-1, None] + pos[None, :]).clamp(max=x.shape[0] - 1)
+        padded = x[rows] * valid[..., None]
+        causal = torch.triu(torch.ones(n, n, dtype=torch.bool, device=x.device), 1)
+        out = self.norm(self.blocks(padded, mask=causal, src_key_padding_mask=~valid, is_causal=True))
+        return out[valid]
+
+
+class Popularity:
+    """Scores every item by its training count."""
+
+    def __init__(self, train_items: list[np.ndarray], num_items: int):
+        counts = np.bincount(np.concatenate(train_items), minlength=num_items + 1).astype(np.float64)
+        counts[0] = -np.inf
+        self.counts = torch.from_numpy(counts)
+
+    def scores(self, batch: SeqBatch) -> torch.Tensor:
+        return self.counts.expand(batch.offsets.numel() - 1, -1).to(torch.float32)
