@@ -5,14 +5,16 @@ SLA), a SASRec-style baseline, popularity; HR@10 and NDCG@10 by full-corpus rank
 user has seen are excluded). Ranking (OneRank, or the ablation without task tokens): AUC per task
 and NDCG@10 within each candidate list.
 
-Every epoch's order and negatives come from generators seeded by (seed, epoch), so resuming from a
-checkpoint reproduces the uninterrupted run. Under torchrun each rank trains on its shard with
+Test metrics are those of the epoch with the best validation score (NDCG@10 for retrieval, mean
+AUC for ranking). Every epoch's order and negatives come from generators seeded by (seed, epoch),
+so resuming from a checkpoint reproduces the uninterrupted run. Under torchrun each rank trains on its shard with
 DistributedDataParallel (gloo on CPU, nccl on GPU); rank 0 evaluates and writes.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -40,14 +42,14 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--sla-k1", type=int, default=32)
     p.add_argument("--sla-k2", type=int, default=4)
     p.add_argument("--no-task-tokens", action="store_true", help="ranking ablation: plain target tokens, fixed targets mask")
-    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--epochs", type=int, default=None, help="default: 60 for retrieval, 4 for ranking")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=2)
     p.add_argument("--max-len", type=int, default=100)
     p.add_argument("--dropout", type=float, default=0.2)
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--negatives", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/latest")
@@ -56,6 +58,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
+    if a.epochs is None:
+        a.epochs = 60 if a.task == "retrieval" else 4
     if a.task == "ranking" and a.model not in ("onerank",):
         p.error(f"--model: ranking trains 'onerank' (use --no-task-tokens for the ablation), got {a.model!r}")
     if a.task == "retrieval" and a.model == "onerank":
@@ -168,11 +172,12 @@ def main(argv=None) -> dict:
     ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01)
     history, start = [], 0
+    best = {"score": -math.inf, "epoch": 0, "model": None}
     ckpt = out / "checkpoint.pt"
     if a.resume and ckpt.exists():
         state = torch.load(ckpt, map_location=device, weights_only=False)
         model.load_state_dict(state["model"]), opt.load_state_dict(state["opt"])
-        history, start = state["history"], state["epoch"]
+        history, start, best = state["history"], state["epoch"], state["best"]
     epochs_run = 0
     for epoch in range(start, a.epochs):
         if a.stop_after and epochs_run >= a.stop_after:
@@ -209,12 +214,20 @@ def main(argv=None) -> dict:
             else:
                 record.update({f"valid {k}": v for k, v in ranking_metrics(model, valid_req, device).items()})
             history.append(record)
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "history": history, "epoch": epoch + 1}, ckpt)
+            score = record["valid NDCG@10"] if a.task == "retrieval" else float(
+                np.nanmean([record[f"valid AUC {t}"] for t in TASKS]))
+            if score > best["score"]:
+                best = {"score": score, "epoch": epoch + 1, "model": copy.deepcopy(model.state_dict())}
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "history": history, "epoch": epoch + 1,
+                        "best": best}, ckpt)
             if not a.quiet:
                 print(json.dumps(record))
         if world > 1:
             dist.barrier()
     if rank == 0 and (not a.stop_after or len(history) >= a.epochs):
+        if best["model"] is not None:
+            model.load_state_dict(best["model"])
+            result["best_epoch"] = best["epoch"]
         if a.task == "retrieval":
             result["test"] = retrieval_metrics(model, seqs, 1, test, a.max_len, device)
         else:
