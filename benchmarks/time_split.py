@@ -19,7 +19,6 @@ def offsets(lengths):
 
 
 def main():
-    g = torch.Generator().manual_seed(0)
     cfgs = {
         "A causal B32 S1024": ([1024] * 32, {}),
         "C causal": ([8192] * 4, {}),

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import sys
 
-import torch
 from hypothesis import settings
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -41,6 +41,8 @@ def mask_case(name, offs, lengths, heads):
     g = torch.Generator().manual_seed(11)
     if name == "causal":
         return {}
+    if name == "non-causal":
+        return dict(causal=False)
     if name == "fixed":
         return dict(num_targets=torch.tensor([min(5, L) for L in lengths]), max_attn_len=10, contextual_seq_len=3)
     if name == "fixed-targets":
@@ -64,7 +66,7 @@ def mask_case(name, offs, lengths, heads):
     raise KeyError(name)
 
 
-CASES = ["causal", "fixed", "fixed-targets", "sla", "sla-widened-7", "onerank", "causal-func", "random-per-head-5", "random-7", "random-9", "stride0-expanded"]
+CASES = ["causal", "non-causal", "fixed", "fixed-targets", "sla", "sla-widened-7", "onerank", "causal-func", "random-per-head-5", "random-7", "random-9", "stride0-expanded"]
 
 
 def to_device(kw):
@@ -93,7 +95,6 @@ def test_unsorted_overlapping_intervals_are_counted_once():
     # Interval 2 lies before interval 1 and overlaps interval 0: each key block must be visited once.
     lengths = [64, 41]
     offs = offsets_from(lengths)
-    t = sum(lengths)
     i = torch.cat([torch.arange(L) for L in lengths])
     func = torch.stack([i // 2 + 1, i // 2 + 20, i + 1, torch.zeros_like(i), i // 2 + 8]).to(torch.int32)[None]
     q, k, v = batch(lengths, heads=1, dqk=16, dv=16, seed=3)

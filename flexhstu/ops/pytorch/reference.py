@@ -31,7 +31,6 @@ def pytorch_hstu_mha(
     if total == 0 or n == 0:
         return q.new_zeros(total, nheads, v.shape[2]) + 0.0 * (q.sum() + k.sum() + v.sum())
     offs = seq_offsets.to(torch.int64)
-    bsz = offs.numel() - 1
     pos = torch.arange(n, device=q.device)
     lengths = offs[1:] - offs[:-1]
     valid = pos[None, :] < lengths[:, None]
