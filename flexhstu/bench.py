@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from . import Kernel, hstu_mha, masks
+from .jagged import offsets_from_lengths
 
 
 @dataclass
@@ -74,13 +75,6 @@ def suite() -> list[Case]:
     ]
 
 
-def _offsets(lengths, device):
-    offs = [0]
-    for n in lengths:
-        offs.append(offs[-1] + n)
-    return torch.tensor(offs, dtype=torch.int64, device=device)
-
-
 def _mask_kwargs(case: Case, offs: torch.Tensor, total: int) -> tuple[dict, torch.Tensor]:
     """hstu_mha keyword arguments, and a func with the same visibility for counting pairs."""
     nt = torch.full((len(case.lengths),), case.targets, dtype=torch.int64, device=offs.device)
@@ -123,7 +117,7 @@ def _graphed_ms(fn) -> float:
 
 def run_case(case: Case, device: str = "cuda", dtype=torch.bfloat16) -> Row:
     torch.manual_seed(0)
-    offs = _offsets(case.lengths, device)
+    offs = offsets_from_lengths(case.lengths, device=device)
     total, n = sum(case.lengths), max(case.lengths)
     h, d = case.heads, case.dim
     q, k, v = (torch.randn(total, h, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))

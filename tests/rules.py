@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from flexhstu.jagged import offsets_from_lengths
+
 
 def offsets_from(lengths, dtype=torch.int64):
-    offs = [0]
-    for n in lengths:
-        offs.append(offs[-1] + n)
-    return torch.tensor(offs, dtype=dtype)
+    return offsets_from_lengths(lengths, dtype=dtype)
 
 
 def fixed_visible(i, j, L, T, c, W, F, has_targets):

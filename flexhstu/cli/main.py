@@ -10,18 +10,12 @@ import time
 import torch
 
 from .. import Kernel, hstu_mha, masks
+from ..jagged import offsets_from_lengths
 from ..masks import picture
 
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
-
-
-def _offsets(lengths: list[int], device="cpu") -> torch.Tensor:
-    offs = [0]
-    for n in lengths:
-        offs.append(offs[-1] + n)
-    return torch.tensor(offs, dtype=torch.int64, device=device)
 
 
 def build_mask(kind: str, offs: torch.Tensor, args: argparse.Namespace) -> torch.Tensor:
@@ -44,7 +38,7 @@ def cmd_show_mask(args: argparse.Namespace) -> int:
     lengths = _ints(args.lengths)
     if args.targets is not None and len(args.targets) != len(lengths):
         raise SystemExit(f"--targets: expected {len(lengths)} values (one per sequence), got {len(args.targets)}")
-    offs = _offsets(lengths)
+    offs = offsets_from_lengths(lengths)
     func = build_mask(args.mask, offs, args)
     path = picture.render(func, offs, max(lengths + [1]), args.output, title=f"{args.mask} (NFUNC {func.shape[1]})")
     print(f"wrote {path}: {args.mask}, NFUNC {func.shape[1]}, lengths {lengths}")
@@ -71,7 +65,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     hist = [180, 0, 97, 256] if device == "cpu" else [3000, 0, 1571, 4096]
     group, ncand = 4, [8, 0, 5, 12]
     lengths = [h + group * c for h, c in zip(hist, ncand)]
-    offs = _offsets(lengths, device)
+    offs = offsets_from_lengths(lengths, device=device)
     n = max(lengths)
     heads, dim = 2, 32
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
@@ -93,7 +87,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         ref = hstu_mha(n, None, q.double(), k.double(), v.double(), offs, attn_func=func, kernel=Kernel.PYTORCH)
         err = (out.double() - ref).abs().max().item()
         print(f"{name:<16} {func.shape[1]:>5} {visible:>8.3f} {err:>10.2e} {_time_ms(run):>8.2f}")
-        small = _offsets([48, 40])
+        small = offsets_from_lengths([48, 40])
         sfunc = {"causal": masks.causal(small), "sla": masks.sla(small, 12, 4), "onerank": masks.onerank(small, torch.tensor([16, 12]), 4)}
         key = name.split()[0]
         picture.render(sfunc[key], small, 48, os.path.join(args.out, f"mask-{key}.png"), title=f"{key} (NFUNC {sfunc[key].shape[1]})")

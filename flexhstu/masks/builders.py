@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from .._errors import bad_type, bad_value
-from .format import check_nfunc, check_offsets_meta, check_offsets_values, pack_intervals, row_coords, widen
+from ..jagged import check_offsets_meta, check_offsets_values, row_coords
+from .format import check_nfunc, pack_intervals, widen
 
 
 def _prepare(seq_offsets: torch.Tensor, total: int | None, check: bool) -> int:

@@ -1,4 +1,4 @@
-"""The func tensor: interval encoding of per-row visibility (DESIGN.md section 2).
+"""The func tensor: interval encoding of per-row visibility (docs/design.md, section 2).
 
 ``func`` is int32 ``(Hf, NFUNC, total)``; column ``t`` describes query row ``t``.
 Rows interleave ends and starts::
@@ -16,12 +16,10 @@ from __future__ import annotations
 import torch
 
 from .._errors import bad_type, bad_value
+from ..jagged import check_offsets_meta, check_offsets_values, row_coords
 
 HSTU_ARBITRARY_NFUNC = 5
 """The interchange width of the fbgemm HSTU wheels (three intervals)."""
-
-OFFSET_DTYPES = (torch.int32, torch.int64)
-
 
 def num_intervals(nfunc: int) -> int:
     """Number of key intervals a func of width ``nfunc`` encodes: ``(nfunc + 1) // 2``."""
@@ -34,29 +32,6 @@ def check_nfunc(nfunc: int, arg: str = "nfunc") -> None:
         raise bad_type(arg, "an odd int >= 1", type(nfunc).__name__)
     if nfunc < 1 or nfunc % 2 == 0:
         raise bad_value(arg, "an odd int >= 1", nfunc)
-
-
-def check_offsets_meta(seq_offsets: torch.Tensor, arg: str = "seq_offsets") -> None:
-    """Shape, dtype and type checks that never read device memory."""
-    if not isinstance(seq_offsets, torch.Tensor):
-        raise bad_type(arg, "a torch.Tensor", type(seq_offsets).__name__)
-    if seq_offsets.dtype not in OFFSET_DTYPES:
-        raise bad_type(arg, "dtype torch.int32 or torch.int64", seq_offsets.dtype)
-    if seq_offsets.dim() != 1 or seq_offsets.numel() < 1:
-        raise bad_value(arg, "a 1-D tensor of B + 1 >= 1 offsets", f"shape {tuple(seq_offsets.shape)}")
-
-
-def check_offsets_values(seq_offsets: torch.Tensor, arg: str = "seq_offsets", total: int | None = None) -> None:
-    """Value checks (reads the tensor: a host-device sync on CUDA)."""
-    offs = seq_offsets.detach().to("cpu", torch.int64)
-    if int(offs[0]) != 0:
-        raise bad_value(f"{arg}[0]", "0", int(offs[0]))
-    steps = offs[1:] - offs[:-1]
-    if bool((steps < 0).any()):
-        b = int(torch.nonzero(steps < 0)[0, 0])
-        raise bad_value(arg, "non-decreasing offsets", f"{arg}[{b + 1}] = {int(offs[b + 1])} < {arg}[{b}] = {int(offs[b])}")
-    if total is not None and int(offs[-1]) != total:
-        raise bad_value(f"{arg}[-1]", f"the number of rows of the data ({total})", int(offs[-1]))
 
 
 def check_func_meta(func: torch.Tensor, total: int | None = None, nheads: int | None = None, arg: str = "func") -> None:
@@ -108,20 +83,6 @@ def widen(func: torch.Tensor, nfunc: int) -> torch.Tensor:
     pad = base.new_zeros(base.shape[0], nfunc - cur, base.shape[2])
     out = torch.cat([base, pad], dim=1)
     return out.expand(hf, nfunc, func.shape[2]) if base is not func else out
-
-
-def row_coords(seq_offsets: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For each jagged row ``t``: (sequence id, local position, sequence length), int64.
-
-    Sync-free: ``total`` comes from the caller.
-    """
-    offs = seq_offsets.to(torch.int64)
-    t = torch.arange(total, device=offs.device, dtype=torch.int64)
-    seq = torch.searchsorted(offs, t, right=True) - 1
-    seq = seq.clamp(0, max(offs.numel() - 2, 0))
-    start = offs[seq]
-    length = offs[seq + 1] - start
-    return seq, t - start, length
 
 
 def pack_intervals(prefix_end: torch.Tensor, pieces: list[tuple[torch.Tensor, torch.Tensor]], nfunc: int) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..masks.format import row_coords
+from ..jagged import row_coords
 
 
 def time_gap_buckets(timestamps: torch.Tensor, seq_offsets: torch.Tensor, num_buckets: int) -> torch.Tensor:

@@ -13,7 +13,8 @@ import os
 import torch
 
 from .._errors import bad_type, bad_value
-from ..masks.format import check_func_meta, check_offsets_meta, check_offsets_values, row_coords, to_dense
+from ..jagged import check_offsets_meta, check_offsets_values, row_coords
+from ..masks.format import check_func_meta, to_dense
 from ..masks.rules import dense_fixed
 from .cutlass import unavailable_reason
 from .kernel import Kernel

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...masks.format import row_coords
+from ...jagged import row_coords
 
 
 def pytorch_hstu_mha(
