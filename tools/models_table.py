@@ -1,4 +1,4 @@
-"""Markdown tables for benchmarks/MODELS.md from runs' metrics.json: ``python benchmarks/models_table.py RUN_DIR ...``."""
+"""Markdown tables for docs/models.md from runs' metrics.json: ``python tools/models_table.py RUN_DIR ...``."""
 
 import json
 import sys
