@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from . import checkpoint
 from .data import load
 from .data.sequences import UserSequences, leave_one_out, user_sequences
 from .metrics import auc, hit_rate_and_ndcg, list_ndcg, target_rank
@@ -186,7 +187,7 @@ def run_popularity(a: argparse.Namespace, d: Splits) -> dict:
 
 
 def resume(ckpt: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, device) -> Progress:
-    state = torch.load(ckpt, map_location=device, weights_only=False)
+    state = checkpoint.load(ckpt, map_location=device)
     model.load_state_dict(state["model"]), opt.load_state_dict(state["opt"])
     return Progress(state["history"], state["epoch"], state["best"])
 
@@ -279,8 +280,8 @@ def main(argv=None) -> dict:
             score = validation_score(a, record)
             if score > p.best["score"]:
                 p.best = {"score": score, "epoch": epoch + 1, "model": copy.deepcopy(model.state_dict())}
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "history": p.history,
-                        "epoch": p.epoch, "best": p.best}, ckpt)
+            checkpoint.save({"model": model.state_dict(), "opt": opt.state_dict(), "history": p.history,
+                             "epoch": p.epoch, "best": p.best}, ckpt)
             if not a.quiet:
                 print(json.dumps(record))
         if world > 1:
