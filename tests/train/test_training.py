@@ -32,7 +32,7 @@ def test_ratings_files_are_read_and_cached(tmp_path):
 @pytest.mark.parametrize("content,msg", [
     ("", "expected interactions, got an empty file"),
     ("userId,movieId,timestamp\n1,2,3\n", r"missing \['rating'\]"),
-    ("userId,movieId,rating,timestamp\n1,x,4,5\n", "column 'item' expected numbers"),
+    ("userId,movieId,rating,timestamp\n1,x,4,5\n", "line 2, column 'item': expected an integer, got 'x'"),
     ("userId,movieId,rating,timestamp\n", "expected interactions after the header"),
 ])
 def test_bad_data_files_get_clear_errors(tmp_path, content, msg):
