@@ -22,6 +22,7 @@ import copy
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,40 +33,68 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from . import checkpoint
+from .cli.common import Parser, non_negative_int, positive_int, run, user_input
 from .data import load
 from .data.sequences import UserSequences, leave_one_out, user_sequences
 from .metrics import auc, hit_rate_and_ndcg, list_ndcg, target_rank
 from .models import HSTURetrieval, OneRankModel, Popularity, SASRecRetrieval, make_batch, make_requests
-from .models.ranking import TASKS, RankingRequests, collate
+from .models.ranking import TASKS, RankingRequests, collate, min_events
 from .nn import onerank_loss
+
+# Arguments that define the model, its data or its sample streams: ``--resume`` refuses a change to any of
+# them, since the resumed run would silently become a different experiment.
+FIXED_ON_RESUME = ("task", "model", "data", "mask", "sla_k1", "sla_k2", "no_task_tokens", "dim", "layers", "heads",
+                   "max_len", "dropout", "negatives", "batch_size", "seed")
+
+
+def _probability(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a probability in [0, 1), got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {value}")
+    return value
 
 
 def parse(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="flexhstu train", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="flexhstu train", description=__doc__.split("\n\n")[0])
     p.add_argument("--task", choices=["retrieval", "ranking"], default="retrieval")
     p.add_argument("--model", choices=["hstu", "onerank", "sasrec", "popularity"], default="hstu")
     p.add_argument("--data", default="ml-100k",
                    help="ml-100k, synthetic, or a ratings.dat / ratings.csv / .parquet path")
     p.add_argument("--mask", choices=["causal", "sla"], default="causal")
-    p.add_argument("--sla-k1", type=int, default=32)
-    p.add_argument("--sla-k2", type=int, default=4)
+    p.add_argument("--sla-k1", type=positive_int, default=32)
+    p.add_argument("--sla-k2", type=non_negative_int, default=4)
     p.add_argument("--no-task-tokens", action="store_true",
                    help="ranking ablation: plain target tokens, fixed targets mask")
-    p.add_argument("--epochs", type=int, default=None, help="default: 60 for retrieval, 4 for ranking")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=2)
-    p.add_argument("--max-len", type=int, default=100)
-    p.add_argument("--dropout", type=float, default=0.2)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--negatives", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--epochs", type=positive_int, default=None,
+                   help="default: 60 for retrieval, 4 for ranking; on --resume, a new value extends (or ends) the run")
+    p.add_argument("--batch-size", type=positive_int, default=64)
+    p.add_argument("--dim", type=positive_int, default=64)
+    p.add_argument("--layers", type=positive_int, default=2)
+    p.add_argument("--heads", type=positive_int, default=2, help="must divide --dim")
+    p.add_argument("--max-len", type=positive_int, default=100)
+    p.add_argument("--dropout", type=_probability, default=0.2)
+    p.add_argument("--lr", type=_positive_float, default=3e-3,
+                   help="on --resume, a new value replaces the checkpoint's learning rate")
+    p.add_argument("--negatives", type=positive_int, default=256)
+    p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--out", default="runs/latest")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
-    p.add_argument("--stop-after", type=int, default=0, help="stop after this many epochs of this invocation (tests)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from OUT/checkpoint.pt (which must exist). Refused if any of "
+                        + ", ".join("--" + k.replace("_", "-") for k in FIXED_ON_RESUME)
+                        + " or the data file's contents differ from the checkpoint's run; --lr and --epochs may "
+                          "change (reported on stderr); --out, --device, --stop-after, --quiet, --debug are free")
+    p.add_argument("--stop-after", type=non_negative_int, default=0,
+                   help="stop after this many epochs of this invocation (tests)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an input error")
     a = p.parse_args(argv)
     if a.epochs is None:
         a.epochs = 60 if a.task == "retrieval" else 4
@@ -73,7 +102,22 @@ def parse(argv=None) -> argparse.Namespace:
         p.error(f"--model: ranking trains 'onerank' (use --no-task-tokens for the ablation), got {a.model!r}")
     if a.task == "retrieval" and a.model == "onerank":
         p.error("--model onerank needs --task ranking")
+    if a.dim % a.heads:
+        p.error(f"--heads: expected a divisor of --dim {a.dim}, got {a.heads}")
     return a
+
+
+def resolve_device(a: argparse.Namespace, rank: int) -> torch.device:
+    try:
+        device = torch.device(a.device)
+    except RuntimeError as e:
+        raise ValueError(f"--device: expected a torch device such as cpu or cuda, got '{a.device}'") from e
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device: expected cpu (CUDA is not available here), got '{a.device}'")
+        if device.index is None:
+            device = torch.device(f"cuda:{rank % torch.cuda.device_count()}")
+    return device
 
 
 def _dist() -> tuple[int, int]:
@@ -90,6 +134,7 @@ class Splits:
     the training prefixes ``train_items``. Ranking: request sets. ``units``: what an epoch shuffles."""
 
     num_items: int
+    data_rows: int
     units: list[int]
     seqs: UserSequences
     valid: list[int] | RankingRequests
@@ -111,14 +156,24 @@ def prepare_data(a: argparse.Namespace) -> Splits:
     data = load(a.data)
     if a.task == "retrieval":
         seqs, valid, test = leave_one_out(data)
-        return Splits(data.num_items, list(range(len(seqs.items))), seqs, valid, test,
+        if not seqs.items:
+            raise ValueError(f"--data {a.data}: expected a user with 3 or more events (one to train on, one to "
+                             f"validate, one to test), got none; most events of a user: {_most_events(data)}")
+        return Splits(data.num_items, len(data), list(range(len(seqs.items))), seqs, valid, test,
                       train_items=[x[:-2] for x in seqs.items])
     seqs = user_sequences(data)
     train_req = make_requests(seqs, "train", max_len=a.max_len, seed=a.seed)
     valid_req = make_requests(seqs, "valid", max_len=a.max_len, seed=a.seed + 1)
     test_req = make_requests(seqs, "test", max_len=a.max_len, seed=a.seed + 2)
-    return Splits(data.num_items, list(range(len(train_req.cand_items))), seqs, valid_req, test_req,
+    if not train_req.cand_items:
+        raise ValueError(f"--data {a.data}: ranking expected a user with {min_events()} or more events (and as many "
+                         f"unseen items as negatives), got none; most events of a user: {_most_events(data)}")
+    return Splits(data.num_items, len(data), list(range(len(train_req.cand_items))), seqs, valid_req, test_req,
                   train_req=train_req)
+
+
+def _most_events(data) -> int:
+    return int(np.unique(data.user, return_counts=True)[1].max())
 
 
 def build_model(a: argparse.Namespace, num_items: int) -> torch.nn.Module:
@@ -186,9 +241,35 @@ def run_popularity(a: argparse.Namespace, d: Splits) -> dict:
     return {"valid": valid, "test": retrieval_metrics(pop, d.seqs, 1, d.test, a.max_len, "cpu")}
 
 
-def resume(ckpt: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, device) -> Progress:
+def run_config(a: argparse.Namespace, d: Splits) -> dict:
+    """What a checkpoint records of its run: the fixed arguments, the data's size, and --lr / --epochs."""
+    return {**{k: getattr(a, k) for k in FIXED_ON_RESUME}, "data_rows": d.data_rows, "num_items": d.num_items,
+            "lr": a.lr, "epochs": a.epochs}
+
+
+def resume(a: argparse.Namespace, d: Splits, ckpt: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, device,
+           rank: int) -> Progress:
+    """Weights, optimizer and progress from ``ckpt``, after checking that this run is the checkpoint's run."""
+    if not ckpt.is_file():
+        raise FileNotFoundError(f"--resume: expected a checkpoint at {ckpt}, no such file (leave out --resume to "
+                                "start a new run)")
     state = checkpoint.load(ckpt, map_location=device)
+    saved, now = state["config"], run_config(a, d)
+    changed = [f"--{k.replace('_', '-')} {saved[k]!r} in the checkpoint, {now[k]!r} now"
+               for k in (*FIXED_ON_RESUME, "data_rows", "num_items") if saved[k] != now[k]]
+    if changed:
+        raise ValueError(f"--resume: expected the run of {ckpt}, got a different one: " + "; ".join(changed))
     model.load_state_dict(state["model"]), opt.load_state_dict(state["opt"])
+    notes = []
+    if saved["lr"] != a.lr:
+        for group in opt.param_groups:
+            group["lr"] = a.lr
+        notes.append(f"--lr {a.lr} replaces the checkpoint's {saved['lr']}")
+    if saved["epochs"] != a.epochs:
+        notes.append(f"--epochs {a.epochs} replaces the checkpoint's {saved['epochs']} ({state['epoch']} done)")
+    if rank == 0:
+        for note in notes:
+            print(f"flexhstu train: resuming: {note}", file=sys.stderr)
     return Progress(state["history"], state["epoch"], state["best"])
 
 
@@ -253,14 +334,21 @@ def write(result: dict, history: list[dict], out: Path, rank: int, a: argparse.N
 
 
 def main(argv=None) -> dict:
-    a = parse(argv)
+    """Train and evaluate as ``argv`` says; returns what ``metrics.json`` holds. Input errors raise ``UserError``."""
+    return train(parse(argv))
+
+
+def train(a: argparse.Namespace) -> dict:
     rank, world = _dist()
     out = Path(a.out)
+    with user_input():
+        device = resolve_device(a, rank)
     if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-    device = torch.device(a.device if a.device != "cuda" else f"cuda:{rank % max(torch.cuda.device_count(), 1)}")
+        with user_input("--out"):
+            out.mkdir(parents=True, exist_ok=True)
+    with user_input():
+        d = prepare_data(a)
     torch.manual_seed(a.seed)
-    d = prepare_data(a)
     result: dict = {"args": vars(a)}
     if a.model == "popularity":
         return write(result | run_popularity(a, d), [], out, rank, a)
@@ -269,7 +357,10 @@ def main(argv=None) -> dict:
     ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01)
     ckpt = out / "checkpoint.pt"
-    p = resume(ckpt, model, opt, device) if a.resume and ckpt.exists() else Progress()
+    p = Progress()
+    if a.resume:
+        with user_input():
+            p = resume(a, d, ckpt, model, opt, device, rank)
     last = min(a.epochs, p.epoch + a.stop_after) if a.stop_after else a.epochs
     for epoch in range(p.epoch, last):
         record = train_epoch(a, epoch, d, model, ddp, opt, rank, world, device)
@@ -280,8 +371,8 @@ def main(argv=None) -> dict:
             score = validation_score(a, record)
             if score > p.best["score"]:
                 p.best = {"score": score, "epoch": epoch + 1, "model": copy.deepcopy(model.state_dict())}
-            checkpoint.save({"model": model.state_dict(), "opt": opt.state_dict(), "history": p.history,
-                             "epoch": p.epoch, "best": p.best}, ckpt)
+            checkpoint.save({"config": run_config(a, d), "model": model.state_dict(), "opt": opt.state_dict(),
+                             "history": p.history, "epoch": p.epoch, "best": p.best}, ckpt)
             if not a.quiet:
                 print(json.dumps(record))
         if world > 1:
@@ -299,5 +390,16 @@ def main(argv=None) -> dict:
     return write(result, p.history, out, rank, a)
 
 
+def cli(argv=None) -> int:
+    """The command: exit status 0, or 2 with one line on stderr for an input error."""
+    a = parse(argv)
+
+    def command() -> int:
+        train(a)
+        return 0
+
+    return run("flexhstu train", command, a.debug)
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

@@ -55,12 +55,13 @@ def min_events(n_pos: int = 5) -> int:
 def make_requests(seqs, split: str, n_pos: int = 5, n_neg: int = 5, per_user: int = 2, max_len: int = 200,
                   seed: int = 0) -> RankingRequests:
     """``test``: each user's last ``n_pos`` events; ``valid``: the ``n_pos`` before them;
-    ``train``: ``per_user`` random cut points that end before the validation window."""
+    ``train``: ``per_user`` random cut points that end before the validation window. Users with fewer than
+    ``min_events(n_pos)`` events or fewer than ``n_neg`` unseen items give no request."""
     rng = np.random.default_rng(seed)
     out = RankingRequests([], [], [], [])
     for items, ratings, times in zip(seqs.items, seqs.ratings, seqs.times):
-        if len(items) < min_events(n_pos):
-            continue
+        if len(items) < min_events(n_pos) or seqs.num_items - len(set(items.tolist())) < n_neg:
+            continue  # too short for three windows, or too few unseen items to sample negatives from
         L = len(items)
         if split == "test":
             cuts = [L - n_pos]

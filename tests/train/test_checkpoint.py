@@ -24,7 +24,7 @@ from flexhstu import checkpoint
 path = sys.argv[1]
 state = checkpoint.load(path)
 for version in range(10**9):
-    state["pad"] = torch.full((16 * 2**20,), version, dtype=torch.int32)  # 64 MiB
+    state["pad"] = torch.full((8 * 2**20,), version, dtype=torch.int32)  # 32 MiB
     state["pad_version"] = version
     checkpoint.save(state, path)
     print(version, flush=True)
@@ -39,7 +39,7 @@ def test_a_checkpoint_killed_mid_save_is_a_complete_version_and_resumes(tmp_path
     for _ in range(4):
         proc = subprocess.Popen([sys.executable, "-c", SAVER, str(ckpt)], stdout=subprocess.PIPE, text=True)
         proc.stdout.readline()  # one save done: the next ones overwrite a complete checkpoint
-        time.sleep(rng.uniform(0.0, 0.3))
+        time.sleep(rng.uniform(0.0, 0.2))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         state = checkpoint.load(ckpt)
