@@ -84,7 +84,8 @@ def test_tiny_ranking_runs_with_and_without_task_tokens(tmp_path):
 
 def test_two_cpu_processes_stay_in_sync(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517",
+    # --standalone: a local rendezvous on a free port, so parallel runs (or anything on a fixed port) cannot collide
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "flexhstu.train", *TINY, "--epochs", "1", "--out", str(tmp_path)]
     subprocess.run(cmd, check=True, env=env, timeout=300, capture_output=True)
     sums = [json.loads((tmp_path / f"rank{r}.json").read_text())["checksum"] for r in (0, 1)]
