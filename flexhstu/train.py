@@ -9,6 +9,10 @@ Test metrics are those of the epoch with the best validation score (NDCG@10 for 
 AUC for ranking). Every epoch's order and negatives come from generators seeded by (seed, epoch),
 so resuming from a checkpoint reproduces the uninterrupted run. Under torchrun each rank trains on its shard with
 DistributedDataParallel (gloo on CPU, nccl on GPU); rank 0 evaluates and writes.
+
+``main`` runs the steps in order: ``parse`` the arguments, ``prepare_data``, ``build_model``,
+``resume`` from a checkpoint, ``train_epoch`` and ``evaluate`` on validation per epoch, ``evaluate``
+on test at the best epoch, ``write`` the metrics.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ import copy
 import json
 import math
 import os
+import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -26,37 +32,69 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from . import checkpoint
+from .cli.common import Parser, non_negative_int, positive_int, run, user_input
 from .data import load
-from .data.sequences import leave_one_out, user_sequences
+from .data.sequences import UserSequences, leave_one_out, user_sequences
+from .metrics import auc, hit_rate_and_ndcg, list_ndcg, target_rank
 from .models import HSTURetrieval, OneRankModel, Popularity, SASRecRetrieval, make_batch, make_requests
-from .models.ranking import TASKS, auc, ndcg_at
+from .models.ranking import TASKS, RankingRequests, collate, min_events
 from .nn import onerank_loss
+
+# Arguments that define the model, its data or its sample streams: ``--resume`` refuses a change to any of
+# them, since the resumed run would silently become a different experiment.
+FIXED_ON_RESUME = ("task", "model", "data", "mask", "sla_k1", "sla_k2", "no_task_tokens", "dim", "layers", "heads",
+                   "max_len", "dropout", "negatives", "batch_size", "seed")
+
+
+def _probability(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a probability in [0, 1), got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {value}")
+    return value
 
 
 def parse(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="flexhstu train", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="flexhstu train", description=__doc__.split("\n\n")[0])
     p.add_argument("--task", choices=["retrieval", "ranking"], default="retrieval")
     p.add_argument("--model", choices=["hstu", "onerank", "sasrec", "popularity"], default="hstu")
-    p.add_argument("--data", default="ml-100k", help="ml-100k, synthetic, or a ratings.dat / ratings.csv / .parquet path")
+    p.add_argument("--data", default="ml-100k",
+                   help="ml-100k, synthetic, or a ratings.dat / ratings.csv / .parquet path")
     p.add_argument("--mask", choices=["causal", "sla"], default="causal")
-    p.add_argument("--sla-k1", type=int, default=32)
-    p.add_argument("--sla-k2", type=int, default=4)
-    p.add_argument("--no-task-tokens", action="store_true", help="ranking ablation: plain target tokens, fixed targets mask")
-    p.add_argument("--epochs", type=int, default=None, help="default: 60 for retrieval, 4 for ranking")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=2)
-    p.add_argument("--max-len", type=int, default=100)
-    p.add_argument("--dropout", type=float, default=0.2)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--negatives", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sla-k1", type=positive_int, default=32)
+    p.add_argument("--sla-k2", type=non_negative_int, default=4)
+    p.add_argument("--no-task-tokens", action="store_true",
+                   help="ranking ablation: plain target tokens, fixed targets mask")
+    p.add_argument("--epochs", type=positive_int, default=None,
+                   help="default: 60 for retrieval, 4 for ranking; on --resume, a new value extends (or ends) the run")
+    p.add_argument("--batch-size", type=positive_int, default=64)
+    p.add_argument("--dim", type=positive_int, default=64)
+    p.add_argument("--layers", type=positive_int, default=2)
+    p.add_argument("--heads", type=positive_int, default=2, help="must divide --dim")
+    p.add_argument("--max-len", type=positive_int, default=100)
+    p.add_argument("--dropout", type=_probability, default=0.2)
+    p.add_argument("--lr", type=_positive_float, default=3e-3,
+                   help="on --resume, a new value replaces the checkpoint's learning rate")
+    p.add_argument("--negatives", type=positive_int, default=256)
+    p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--out", default="runs/latest")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
-    p.add_argument("--stop-after", type=int, default=0, help="stop after this many epochs of this invocation (tests)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from OUT/checkpoint.pt (which must exist). Refused if any of "
+                        + ", ".join("--" + k.replace("_", "-") for k in FIXED_ON_RESUME)
+                        + " or the data file's contents differ from the checkpoint's run; --lr and --epochs may "
+                          "change (reported on stderr); --out, --device, --stop-after, --quiet, --debug are free")
+    p.add_argument("--stop-after", type=non_negative_int, default=0,
+                   help="stop after this many epochs of this invocation (tests)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an input error")
     a = p.parse_args(argv)
     if a.epochs is None:
         a.epochs = 60 if a.task == "retrieval" else 4
@@ -64,7 +102,22 @@ def parse(argv=None) -> argparse.Namespace:
         p.error(f"--model: ranking trains 'onerank' (use --no-task-tokens for the ablation), got {a.model!r}")
     if a.task == "retrieval" and a.model == "onerank":
         p.error("--model onerank needs --task ranking")
+    if a.dim % a.heads:
+        p.error(f"--heads: expected a divisor of --dim {a.dim}, got {a.heads}")
     return a
+
+
+def resolve_device(a: argparse.Namespace, rank: int) -> torch.device:
+    try:
+        device = torch.device(a.device)
+    except RuntimeError as e:
+        raise ValueError(f"--device: expected a torch device such as cpu or cuda, got '{a.device}'") from e
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device: expected cpu (CUDA is not available here), got '{a.device}'")
+        if device.index is None:
+            device = torch.device(f"cuda:{rank % torch.cuda.device_count()}")
+    return device
 
 
 def _dist() -> tuple[int, int]:
@@ -75,52 +128,180 @@ def _dist() -> tuple[int, int]:
     return 0, 1
 
 
-def retrieval_metrics(model, seqs, inputs_end: int, targets: list[int], max_len: int, device, k: int = 10) -> dict:
-    """HR@k and NDCG@k; inputs are each sequence without its last ``inputs_end`` events."""
-    hits, ndcg = [], []
+@dataclass
+class Splits:
+    """The data of one run. Retrieval: ``seqs`` with the leave-one-out ``valid``/``test`` item of each user and
+    the training prefixes ``train_items``. Ranking: request sets. ``units``: what an epoch shuffles."""
+
+    num_items: int
+    data_rows: int
+    units: list[int]
+    seqs: UserSequences
+    valid: list[int] | RankingRequests
+    test: list[int] | RankingRequests
+    train_items: list[np.ndarray] = field(default_factory=list)
+    train_req: RankingRequests | None = None
+
+
+@dataclass
+class Progress:
+    """What a checkpoint carries besides the weights: per-epoch records, epochs done, the best validation epoch."""
+
+    history: list[dict] = field(default_factory=list)
+    epoch: int = 0
+    best: dict = field(default_factory=lambda: {"score": -math.inf, "epoch": 0, "model": None})
+
+
+def prepare_data(a: argparse.Namespace) -> Splits:
+    data = load(a.data)
+    if a.task == "retrieval":
+        seqs, valid, test = leave_one_out(data)
+        if not seqs.items:
+            raise ValueError(f"--data {a.data}: expected a user with 3 or more events (one to train on, one to "
+                             f"validate, one to test), got none; most events of a user: {_most_events(data)}")
+        return Splits(data.num_items, len(data), list(range(len(seqs.items))), seqs, valid, test,
+                      train_items=[x[:-2] for x in seqs.items])
+    seqs = user_sequences(data)
+    train_req = make_requests(seqs, "train", max_len=a.max_len, seed=a.seed)
+    valid_req = make_requests(seqs, "valid", max_len=a.max_len, seed=a.seed + 1)
+    test_req = make_requests(seqs, "test", max_len=a.max_len, seed=a.seed + 2)
+    if not train_req.cand_items:
+        raise ValueError(f"--data {a.data}: ranking expected a user with {min_events()} or more events (and as many "
+                         f"unseen items as negatives), got none; most events of a user: {_most_events(data)}")
+    return Splits(data.num_items, len(data), list(range(len(train_req.cand_items))), seqs, valid_req, test_req,
+                  train_req=train_req)
+
+
+def _most_events(data) -> int:
+    return int(np.unique(data.user, return_counts=True)[1].max())
+
+
+def build_model(a: argparse.Namespace, num_items: int) -> torch.nn.Module:
+    if a.model == "hstu":
+        return HSTURetrieval(num_items, dim=a.dim, layers=a.layers, heads=a.heads, max_len=a.max_len, mask=a.mask,
+                             sla_k1=a.sla_k1, sla_k2=a.sla_k2, dropout=a.dropout)
+    if a.model == "sasrec":
+        return SASRecRetrieval(num_items, dim=a.dim, layers=a.layers, heads=a.heads, max_len=a.max_len,
+                               dropout=a.dropout)
+    return OneRankModel(num_items, dim=a.dim, layers=a.layers, heads=a.heads, max_len=a.max_len,
+                        task_tokens=not a.no_task_tokens, dropout=a.dropout)
+
+
+def retrieval_metrics(model, seqs: UserSequences, inputs_end: int, targets: list[int], max_len: int, device,
+                      k: int = 10) -> dict:
+    """HR@k and NDCG@k by full-corpus ranking; inputs are each sequence without its last ``inputs_end`` events."""
     if hasattr(model, "eval"):
         model.eval()
+    ranks = []
     for s in range(0, len(seqs.items), 256):
         items = [x[:len(x) - inputs_end] for x in seqs.items[s:s + 256]]
         times = [x[:len(x) - inputs_end] for x in seqs.times[s:s + 256]]
-        batch = make_batch(items, times, max_len, with_targets=False).to(device)
-        scores = model.scores(batch).float().cpu()
-        for r, (hist, tgt) in enumerate(zip(items, targets[s:s + 256])):
-            row = scores[r].clone()
-            row[0] = -math.inf
-            seen = torch.from_numpy(hist[hist != tgt])
-            row[seen] = -math.inf
-            rank = int((row > row[tgt]).sum())
-            hits.append(rank < k)
-            ndcg.append(1.0 / math.log2(rank + 2) if rank < k else 0.0)
-    return {f"HR@{k}": float(np.mean(hits)), f"NDCG@{k}": float(np.mean(ndcg))}
+        scores = model.scores(make_batch(items, times, max_len, with_targets=False).to(device)).float().cpu()
+        ranks += [target_rank(scores[r], tgt, torch.from_numpy(hist))
+                  for r, (hist, tgt) in enumerate(zip(items, targets[s:s + 256]))]
+    return hit_rate_and_ndcg(ranks, k)
 
 
-def ranking_metrics(model, req, device) -> dict:
-    """AUC per task over all candidates; NDCG@10 per task within each candidate list (lists without a positive skipped)."""
+def ranking_metrics(model, req: RankingRequests, device) -> dict:
+    """AUC per task over all candidates; NDCG@10 per task within each candidate list."""
     model.eval()
     scores, labels = [], []
     with torch.no_grad():
         for s in range(0, len(req.cand_items), 128):
-            sc, lab, _ = model(req, list(range(s, min(s + 128, len(req.cand_items)))), device)
-            scores.append(sc.float().cpu().numpy()), labels.append(lab.cpu().numpy())
+            b = collate(req, list(range(s, min(s + 128, len(req.cand_items))))).to(device)
+            scores.append(model(*b.inputs()).float().cpu().numpy()), labels.append(b.labels.cpu().numpy())
     allsc, alllab = np.concatenate(scores), np.concatenate(labels)
     starts = np.cumsum([0] + [len(c) for c in req.cand_items])
     out = {}
     for t, name in enumerate(TASKS):
         out[f"AUC {name}"] = auc(allsc[:, t], alllab[:, t])
-        vals = [ndcg_at(allsc[a:b, t], alllab[a:b, t]) for a, b in zip(starts[:-1], starts[1:])]
-        vals = [v for v in vals if not math.isnan(v)]
-        out[f"NDCG@10 {name}"] = float(np.mean(vals)) if vals else float("nan")
+        out[f"NDCG@10 {name}"] = list_ndcg(allsc[:, t], alllab[:, t], starts)
     return out
 
 
-def build(a, num_items):
-    if a.model == "hstu":
-        return HSTURetrieval(num_items, a.dim, a.layers, a.heads, a.max_len, a.mask, a.sla_k1, a.sla_k2, a.dropout)
-    if a.model == "sasrec":
-        return SASRecRetrieval(num_items, a.dim, a.layers, a.heads, a.max_len, a.dropout)
-    return OneRankModel(num_items, a.dim, a.layers, a.heads, a.max_len, not a.no_task_tokens, a.dropout)
+def evaluate(a: argparse.Namespace, model, d: Splits, split: str, device) -> dict:
+    """Metrics on ``split`` ("valid" or "test")."""
+    if a.task == "retrieval":
+        inputs_end, targets = (2, d.valid) if split == "valid" else (1, d.test)
+        return retrieval_metrics(model, d.seqs, inputs_end, targets, a.max_len, device)
+    return ranking_metrics(model, d.valid if split == "valid" else d.test, device)
+
+
+def validation_score(a: argparse.Namespace, record: dict) -> float:
+    """What picks the best epoch: NDCG@10 for retrieval, the mean AUC over tasks for ranking."""
+    if a.task == "retrieval":
+        return record["valid NDCG@10"]
+    return float(np.nanmean([record[f"valid AUC {t}"] for t in TASKS]))
+
+
+def run_popularity(a: argparse.Namespace, d: Splits) -> dict:
+    """The popularity baseline needs no training: counts over the training (then training + validation) events."""
+    valid = retrieval_metrics(Popularity(d.train_items, d.num_items), d.seqs, 2, d.valid, a.max_len, "cpu")
+    pop = Popularity([x[:-1] for x in d.seqs.items], d.num_items)
+    return {"valid": valid, "test": retrieval_metrics(pop, d.seqs, 1, d.test, a.max_len, "cpu")}
+
+
+def run_config(a: argparse.Namespace, d: Splits) -> dict:
+    """What a checkpoint records of its run: the fixed arguments, the data's size, and --lr / --epochs."""
+    return {**{k: getattr(a, k) for k in FIXED_ON_RESUME}, "data_rows": d.data_rows, "num_items": d.num_items,
+            "lr": a.lr, "epochs": a.epochs}
+
+
+def resume(a: argparse.Namespace, d: Splits, ckpt: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, device,
+           rank: int) -> Progress:
+    """Weights, optimizer and progress from ``ckpt``, after checking that this run is the checkpoint's run."""
+    if not ckpt.is_file():
+        raise FileNotFoundError(f"--resume: expected a checkpoint at {ckpt}, no such file (leave out --resume to "
+                                "start a new run)")
+    state = checkpoint.load(ckpt, map_location=device)
+    saved, now = state["config"], run_config(a, d)
+    changed = [f"--{k.replace('_', '-')} {saved[k]!r} in the checkpoint, {now[k]!r} now"
+               for k in (*FIXED_ON_RESUME, "data_rows", "num_items") if saved[k] != now[k]]
+    if changed:
+        raise ValueError(f"--resume: expected the run of {ckpt}, got a different one: " + "; ".join(changed))
+    model.load_state_dict(state["model"]), opt.load_state_dict(state["opt"])
+    notes = []
+    if saved["lr"] != a.lr:
+        for group in opt.param_groups:
+            group["lr"] = a.lr
+        notes.append(f"--lr {a.lr} replaces the checkpoint's {saved['lr']}")
+    if saved["epochs"] != a.epochs:
+        notes.append(f"--epochs {a.epochs} replaces the checkpoint's {saved['epochs']} ({state['epoch']} done)")
+    if rank == 0:
+        for note in notes:
+            print(f"flexhstu train: resuming: {note}", file=sys.stderr)
+    return Progress(state["history"], state["epoch"], state["best"])
+
+
+def train_epoch(a: argparse.Namespace, epoch: int, d: Splits, model, ddp, opt, rank: int, world: int,
+                device) -> dict:
+    """One epoch over this rank's shard; the order and negatives come from a generator seeded by (seed, epoch)."""
+    torch.manual_seed(a.seed * 1000 + epoch)  # dropout stream of this epoch
+    gen = torch.Generator().manual_seed(a.seed * 1000 + epoch)
+    order = torch.randperm(len(d.units), generator=gen).tolist()
+    per_rank = len(order) // world
+    mine = order[rank * per_rank:(rank + 1) * per_rank]
+    batches = [mine[i:i + a.batch_size] for i in range(0, len(mine), a.batch_size)]
+    model.train()
+    t0, tokens, losses = time.perf_counter(), 0, []
+    bar = tqdm(batches, desc=f"epoch {epoch + 1}/{a.epochs}", disable=a.quiet or rank != 0, dynamic_ncols=True)
+    for idx in bar:
+        if a.task == "retrieval":
+            batch = make_batch([d.train_items[i] for i in idx], [d.seqs.times[i][:-2] for i in idx], a.max_len)
+            batch = batch.to(device)
+            loss = ddp(batch, a.negatives, gen)  # forward is the sampled-softmax loss
+            tokens += batch.items.numel()
+        else:
+            b = collate(d.train_req, idx).to(device)
+            loss = onerank_loss(ddp(*b.inputs()), b.labels, b.cand_offsets)
+            tokens += b.hist_items.numel() + b.cand_items.numel() * model.group_size
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        bar.set_postfix(loss=f"{np.mean(losses[-20:]):.4f}", tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
+    return {"epoch": epoch + 1, "loss": float(np.mean(losses)), "seconds": time.perf_counter() - t0}
 
 
 def plot(history: list[dict], path: Path) -> None:
@@ -140,107 +321,8 @@ def plot(history: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> dict:
-    a = parse(argv)
-    rank, world = _dist()
-    out = Path(a.out)
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-    device = torch.device(a.device if a.device != "cuda" else f"cuda:{rank % max(torch.cuda.device_count(), 1)}")
-    torch.manual_seed(a.seed)
-    data = load(a.data)
-    result: dict = {"args": vars(a)}
-
-    if a.task == "retrieval":
-        seqs, valid, test = leave_one_out(data)
-        train_items = [x[:-2] for x in seqs.items]
-        if a.model == "popularity":
-            pop = Popularity(train_items, data.num_items)
-            result["valid"] = retrieval_metrics(pop, seqs, 2, valid, a.max_len, "cpu")
-            pop = Popularity([x[:-1] for x in seqs.items], data.num_items)
-            result["test"] = retrieval_metrics(pop, seqs, 1, test, a.max_len, "cpu")
-            return _finish(result, [], out, rank, a)
-        units = list(range(len(seqs.items)))
-    else:
-        seqs = user_sequences(data)
-        train_req = make_requests(seqs, "train", max_len=a.max_len, seed=a.seed)
-        valid_req = make_requests(seqs, "valid", max_len=a.max_len, seed=a.seed + 1)
-        test_req = make_requests(seqs, "test", max_len=a.max_len, seed=a.seed + 2)
-        units = list(range(len(train_req.cand_items)))
-
-    model = build(a, data.num_items).to(device)
-    ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01)
-    history, start = [], 0
-    best = {"score": -math.inf, "epoch": 0, "model": None}
-    ckpt = out / "checkpoint.pt"
-    if a.resume and ckpt.exists():
-        state = torch.load(ckpt, map_location=device, weights_only=False)
-        model.load_state_dict(state["model"]), opt.load_state_dict(state["opt"])
-        history, start, best = state["history"], state["epoch"], state["best"]
-    epochs_run = 0
-    for epoch in range(start, a.epochs):
-        if a.stop_after and epochs_run >= a.stop_after:
-            break
-        torch.manual_seed(a.seed * 1000 + epoch)  # dropout stream of this epoch
-        gen = torch.Generator().manual_seed(a.seed * 1000 + epoch)
-        order = torch.randperm(len(units), generator=gen).tolist()
-        per_rank = len(order) // world
-        mine = order[rank * per_rank:(rank + 1) * per_rank]
-        batches = [mine[i:i + a.batch_size] for i in range(0, len(mine), a.batch_size)]
-        model.train()
-        t0, tokens, losses = time.perf_counter(), 0, []
-        bar = tqdm(batches, desc=f"epoch {epoch + 1}/{a.epochs}", disable=a.quiet or rank != 0, dynamic_ncols=True)
-        for idx in bar:
-            if a.task == "retrieval":
-                batch = make_batch([train_items[i] for i in idx], [seqs.times[i][:-2] for i in idx], a.max_len).to(device)
-                loss = ddp(batch, a.negatives, gen)  # forward is the sampled-softmax loss
-                tokens += batch.items.numel()
-            else:
-                scores, labels, coffs = ddp(train_req, idx, device)
-                loss = onerank_loss(scores, labels, coffs)
-                tokens += sum(len(train_req.hist_items[i]) + 4 * len(train_req.cand_items[i]) for i in idx)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            losses.append(loss.item())
-            bar.set_postfix(loss=f"{np.mean(losses[-20:]):.4f}", tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
-        epochs_run += 1
-        record = {"epoch": epoch + 1, "loss": float(np.mean(losses)), "seconds": time.perf_counter() - t0}
-        if rank == 0:
-            if a.task == "retrieval":
-                record.update({f"valid {k}": v for k, v in retrieval_metrics(model, seqs, 2, valid, a.max_len, device).items()})
-            else:
-                record.update({f"valid {k}": v for k, v in ranking_metrics(model, valid_req, device).items()})
-            history.append(record)
-            score = record["valid NDCG@10"] if a.task == "retrieval" else float(
-                np.nanmean([record[f"valid AUC {t}"] for t in TASKS]))
-            if score > best["score"]:
-                best = {"score": score, "epoch": epoch + 1, "model": copy.deepcopy(model.state_dict())}
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "history": history, "epoch": epoch + 1,
-                        "best": best}, ckpt)
-            if not a.quiet:
-                print(json.dumps(record))
-        if world > 1:
-            dist.barrier()
-    if rank == 0 and (not a.stop_after or len(history) >= a.epochs):
-        if best["model"] is not None:
-            model.load_state_dict(best["model"])
-            result["best_epoch"] = best["epoch"]
-        if a.task == "retrieval":
-            result["test"] = retrieval_metrics(model, seqs, 1, test, a.max_len, device)
-        else:
-            result["test"] = ranking_metrics(model, test_req, device)
-    if world > 1:
-        checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
-        (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "checksum": checksum}))
-        dist.barrier()
-        dist.destroy_process_group()
-    return _finish(result, history, out, rank, a)
-
-
-def _finish(result, history, out: Path, rank: int, a) -> dict:
+def write(result: dict, history: list[dict], out: Path, rank: int, a: argparse.Namespace) -> dict:
+    """metrics.json (and metrics.png when there is a history) in ``out`` on rank 0; returns ``result``."""
     result["history"] = history
     if rank == 0:
         (out / "metrics.json").write_text(json.dumps(result, indent=1, default=str))
@@ -251,5 +333,73 @@ def _finish(result, history, out: Path, rank: int, a) -> dict:
     return result
 
 
+def main(argv=None) -> dict:
+    """Train and evaluate as ``argv`` says; returns what ``metrics.json`` holds. Input errors raise ``UserError``."""
+    return train(parse(argv))
+
+
+def train(a: argparse.Namespace) -> dict:
+    rank, world = _dist()
+    out = Path(a.out)
+    with user_input():
+        device = resolve_device(a, rank)
+    if rank == 0:
+        with user_input("--out"):
+            out.mkdir(parents=True, exist_ok=True)
+    with user_input():
+        d = prepare_data(a)
+    torch.manual_seed(a.seed)
+    result: dict = {"args": vars(a)}
+    if a.model == "popularity":
+        return write(result | run_popularity(a, d), [], out, rank, a)
+
+    model = build_model(a, d.num_items).to(device)
+    ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01)
+    ckpt = out / "checkpoint.pt"
+    p = Progress()
+    if a.resume:
+        with user_input():
+            p = resume(a, d, ckpt, model, opt, device, rank)
+    last = min(a.epochs, p.epoch + a.stop_after) if a.stop_after else a.epochs
+    for epoch in range(p.epoch, last):
+        record = train_epoch(a, epoch, d, model, ddp, opt, rank, world, device)
+        if rank == 0:
+            record.update({f"valid {k}": v for k, v in evaluate(a, model, d, "valid", device).items()})
+            p.history.append(record)
+            p.epoch = epoch + 1
+            score = validation_score(a, record)
+            if score > p.best["score"]:
+                p.best = {"score": score, "epoch": epoch + 1, "model": copy.deepcopy(model.state_dict())}
+            checkpoint.save({"config": run_config(a, d), "model": model.state_dict(), "opt": opt.state_dict(),
+                             "history": p.history, "epoch": p.epoch, "best": p.best}, ckpt)
+            if not a.quiet:
+                print(json.dumps(record))
+        if world > 1:
+            dist.barrier()
+    if rank == 0 and len(p.history) >= a.epochs:
+        if p.best["model"] is not None:
+            model.load_state_dict(p.best["model"])
+            result["best_epoch"] = p.best["epoch"]
+        result["test"] = evaluate(a, model, d, "test", device)
+    if world > 1:
+        checksum = float(sum(t.detach().double().sum() for t in model.parameters()))
+        (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "checksum": checksum}))
+        dist.barrier()
+        dist.destroy_process_group()
+    return write(result, p.history, out, rank, a)
+
+
+def cli(argv=None) -> int:
+    """The command: exit status 0, or 2 with one line on stderr for an input error."""
+    a = parse(argv)
+
+    def command() -> int:
+        train(a)
+        return 0
+
+    return run("flexhstu train", command, a.debug)
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

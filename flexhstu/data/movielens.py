@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import math
 import os
+import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,27 +46,46 @@ def recbole_ml100k_path() -> Path:
             "ml-100k: the recbole wheel is not installed; `pip install --no-deps recbole==1.2.1` ships the "
             "file (its code is not imported), or pass --data PATH to a ratings.dat / ratings.csv"
         )
-    path = Path(list(spec.submodule_search_locations)[0]) / "dataset_example" / "ml-100k" / "ml-100k.inter"
+    path = Path(next(iter(spec.submodule_search_locations))) / "dataset_example" / "ml-100k" / "ml-100k.inter"
     if not path.is_file():
         raise FileNotFoundError(f"ml-100k: expected {path} inside the recbole wheel; it is missing")
     return path
 
 
+INT64_RANGE = (-(2**63), 2**63 - 1)
+
+
+def _parse_int(text: str) -> int:
+    value = int(text)  # int() refuses '1.5', 'nan' and '1e3': ids and timestamps are exact
+    if not INT64_RANGE[0] <= value <= INT64_RANGE[1]:
+        raise ValueError("outside the int64 range")
+    return value
+
+
+def _parse_rating(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError("not finite")
+    return value
+
+
 def _read_raw(path: Path) -> dict[str, np.ndarray]:
-    text = path.read_text(encoding="latin-1").splitlines()
-    if not text:
+    """Columns of a ratings file: user, item, timestamp as exact integers, rating as finite floats."""
+    lines = path.read_text(encoding="latin-1").splitlines()
+    if not lines:
         raise ValueError(f"{path}: expected interactions, got an empty file")
-    if path.suffix == ".inter":  # recbole atomic file: header 'user_id:token\titem_id:token\trating:float\ttimestamp:float'
-        header = [h.split(":")[0] for h in text[0].split("\t")]
-        rows = [line.split("\t") for line in text[1:] if line.strip()]
+    numbered = list(enumerate(lines, start=1))  # file line numbers for error messages
+    if path.suffix == ".inter":  # recbole atomic file: header 'user_id:token<TAB>item_id:token<TAB>rating:float...'
+        header = [h.split(":")[0] for h in lines[0].split("\t")]
+        rows = [(n, line.split("\t")) for n, line in numbered[1:] if line.strip()]
         names = {"user_id": "user", "item_id": "item", "rating": "rating", "timestamp": "timestamp"}
         header = [names.get(h, h) for h in header]
     elif path.suffix == ".dat":
         header = list(COLUMNS)
-        rows = [line.split("::") for line in text if line.strip()]
+        rows = [(n, line.split("::")) for n, line in numbered if line.strip()]
     elif path.suffix == ".csv":
-        header = [h.strip().lower().replace("userid", "user").replace("movieid", "item") for h in text[0].split(",")]
-        rows = [line.split(",") for line in text[1:] if line.strip()]
+        header = [h.strip().lower().replace("userid", "user").replace("movieid", "item") for h in lines[0].split(",")]
+        rows = [(n, line.split(",")) for n, line in numbered[1:] if line.strip()]
     else:
         raise ValueError(f"{path}: expected a .inter, .dat (ML-1M) or .csv (ML-20M) ratings file, got '{path.suffix}'")
     missing = [c for c in COLUMNS if c not in header]
@@ -74,13 +96,17 @@ def _read_raw(path: Path) -> dict[str, np.ndarray]:
     cols = {}
     for c in COLUMNS:
         j = header.index(c)
-        try:
-            cols[c] = np.array([float(r[j]) for r in rows], dtype=np.float64)
-        except (ValueError, IndexError) as e:
-            raise ValueError(f"{path}: column '{c}' expected numbers on every row: {e}") from e
-    if not np.all(np.isfinite(cols["rating"])):
-        raise ValueError(f"{path}: column 'rating' expected finite numbers")
-    return {c: cols[c].astype(np.int64) if c != "rating" else cols[c] for c in COLUMNS}
+        parse, kind, dtype = (_parse_rating, "a finite number", np.float64) if c == "rating" else \
+            (_parse_int, "an integer", np.int64)
+        values = []
+        for n, r in rows:
+            text = r[j].strip() if j < len(r) else ""
+            try:
+                values.append(parse(text))
+            except ValueError:
+                raise ValueError(f"{path}, line {n}, column '{c}': expected {kind}, got '{text}'") from None
+        cols[c] = np.array(values, dtype=dtype)
+    return cols
 
 
 def _cache_path(source: Path, cache_dir: Path) -> Path:
@@ -108,24 +134,53 @@ def _to_interactions(table: pa.Table, name: str) -> Interactions:
                         cols["timestamp"].astype(np.int64), int(item.max()) + 1, name)
 
 
+def _write_cache(cols: dict[str, np.ndarray], target: Path) -> None:
+    """Write under a unique temporary name and rename: concurrent first loads each rename a complete file."""
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.stem}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        pq.write_table(pa.table(cols), tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _read_cache(target: Path) -> pa.Table | None:
+    """The cached table, or None (with one line on stderr) when the file is unreadable or not ours."""
+    try:
+        table = pq.read_table(target)
+        _check_table(table, str(target))
+        return table
+    except (pa.ArrowException, OSError, ValueError) as e:
+        print(f"flexhstu: rebuilding the unreadable cache {target} ({type(e).__name__}: {e})", file=sys.stderr)
+        return None
+
+
 def load(data: str, cache_dir: str | os.PathLike | None = None) -> Interactions:
-    """``ml-100k``, ``synthetic``, a ratings file, or a Parquet file with the four columns."""
+    """``ml-100k``, ``synthetic``, a ratings file, or a Parquet file with the four columns.
+
+    A ratings file is parsed once and cached as Parquet in ``cache_dir`` (default ``$FLEXHSTU_CACHE`` or
+    ``~/.cache/flexhstu``), keyed by its path, size and modification time; a corrupt cache is rebuilt."""
     if data == "synthetic":
         return synthetic()
     source = recbole_ml100k_path() if data == "ml-100k" else Path(data)
     if not source.is_file():
         raise FileNotFoundError(f"--data: expected ml-100k, synthetic or a ratings file, got '{data}' (no such file)")
     if source.suffix == ".parquet":
-        return _to_interactions(pq.read_table(source), str(source))
+        try:
+            table = pq.read_table(source)
+        except (pa.ArrowException, OSError) as e:
+            raise ValueError(f"{source}: expected a Parquet file, could not read it ({e})") from e
+        return _to_interactions(table, str(source))
     cache = Path(cache_dir or os.environ.get("FLEXHSTU_CACHE", Path.home() / ".cache" / "flexhstu"))
     cache.mkdir(parents=True, exist_ok=True)
     target = _cache_path(source, cache)
-    if not target.exists():
-        cols = _read_raw(source)
-        tmp = target.with_suffix(".tmp")
-        pq.write_table(pa.table(cols), tmp)
-        tmp.replace(target)
-    return _to_interactions(pq.read_table(target), data)
+    table = _read_cache(target) if target.exists() else None
+    if table is None:
+        _write_cache(_read_raw(source), target)
+        table = pq.read_table(target)
+    return _to_interactions(table, data)
 
 
 def synthetic(num_users: int = 300, num_items: int = 200, length: int = 40, seed: int = 0) -> Interactions:

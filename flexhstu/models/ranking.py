@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 from .. import masks
-from ..nn import InputEncoder, OneRankHead, OneRankTokenizer, STULayerConfig, STUStack
+from ..nn import InputEncoder, OneRankHead, OneRankTokenizer, STUStack
 from ..ops import Kernel
+from .retrieval import stu_config
 
 TASKS = ("watched", "rated>=4", "rated5")
 
@@ -46,16 +47,22 @@ def _request(items, ratings, times, cut, n_pos, n_neg, rng, num_items, max_len):
     return items[:cut][-max_len:], times[:cut][-max_len:], cand[order], labels[order]
 
 
+def min_events(n_pos: int = 5) -> int:
+    """Events a user needs to give train, validation and test requests of ``n_pos`` positives each."""
+    return 3 * n_pos + 2
+
+
 def make_requests(seqs, split: str, n_pos: int = 5, n_neg: int = 5, per_user: int = 2, max_len: int = 200,
                   seed: int = 0) -> RankingRequests:
     """``test``: each user's last ``n_pos`` events; ``valid``: the ``n_pos`` before them;
-    ``train``: ``per_user`` random cut points that end before the validation window."""
+    ``train``: ``per_user`` random cut points that end before the validation window. Users with fewer than
+    ``min_events(n_pos)`` events or fewer than ``n_neg`` unseen items give no request."""
     rng = np.random.default_rng(seed)
     out = RankingRequests([], [], [], [])
     for items, ratings, times in zip(seqs.items, seqs.ratings, seqs.times):
+        if len(items) < min_events(n_pos) or seqs.num_items - len(set(items.tolist())) < n_neg:
+            continue  # too short for three windows, or too few unseen items to sample negatives from
         L = len(items)
-        if L < 3 * n_pos + 2:
-            continue
         if split == "test":
             cuts = [L - n_pos]
         elif split == "valid":
@@ -68,6 +75,41 @@ def make_requests(seqs, split: str, n_pos: int = 5, n_neg: int = 5, per_user: in
     return out
 
 
+@dataclass
+class RankingBatch:
+    """Requests collated into jagged tensors: histories ``(T_h,)`` by ``hist_offsets (B + 1,)``, candidates
+    ``(C,)`` by ``cand_offsets (B + 1,)`` and their labels ``(C, len(TASKS))``."""
+
+    hist_items: torch.Tensor
+    hist_times: torch.Tensor
+    hist_offsets: torch.Tensor
+    cand_items: torch.Tensor
+    cand_offsets: torch.Tensor
+    labels: torch.Tensor
+
+    def to(self, device) -> RankingBatch:
+        return RankingBatch(*(t.to(device) for t in (self.hist_items, self.hist_times, self.hist_offsets,
+                                                      self.cand_items, self.cand_offsets, self.labels)))
+
+    def inputs(self) -> tuple[torch.Tensor, ...]:
+        """The arguments of ``OneRankModel.forward``."""
+        return self.hist_items, self.hist_times, self.hist_offsets, self.cand_items, self.cand_offsets
+
+
+def collate(req: RankingRequests, idx: list[int]) -> RankingBatch:
+    """The requests ``idx`` of ``req`` as one ``RankingBatch`` (CPU tensors)."""
+    def offsets(lists):
+        return torch.tensor(np.concatenate([[0], np.cumsum([len(x) for x in lists])]).astype(np.int64))
+
+    def cat(lists):
+        return torch.from_numpy(np.concatenate(lists))
+
+    hist = [req.hist_items[i] for i in idx]
+    cand = [req.cand_items[i] for i in idx]
+    return RankingBatch(cat(hist), cat([req.hist_times[i] for i in idx]), offsets(hist), cat(cand), offsets(cand),
+                        cat([req.labels[i] for i in idx]))
+
+
 class OneRankModel(nn.Module):
     def __init__(self, num_items: int, dim: int = 64, layers: int = 2, heads: int = 2, max_len: int = 200,
                  task_tokens: bool = True, dropout: float = 0.2, kernel: Kernel = Kernel.AUTO):
@@ -75,54 +117,28 @@ class OneRankModel(nn.Module):
         k = len(TASKS)
         self.encoder = InputEncoder(num_items, dim, max_len)
         self.tokenizer = OneRankTokenizer(k if task_tokens else 0, dim)
-        self.stack = STUStack(STULayerConfig(dim, heads, dim // heads, dim // heads, dropout, kernel), layers)
+        self.stack = STUStack(stu_config(dim, heads, dropout, kernel), layers)
         self.head = OneRankHead(k, dim)
         self.task_tokens = task_tokens
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, req: RankingRequests, idx: list[int], device="cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Scores and labels ``(C, K)`` for requests ``idx``, and the candidate offsets."""
-        hi = [req.hist_items[i] for i in idx]
-        hoffs = torch.tensor(np.concatenate([[0], np.cumsum([len(h) for h in hi])]), device=device)
-        coffs = torch.tensor(np.concatenate([[0], np.cumsum([len(req.cand_items[i]) for i in idx])]), device=device)
-        hist = self.encoder(torch.from_numpy(np.concatenate(hi)).to(device),
-                            torch.from_numpy(np.concatenate([req.hist_times[i] for i in idx])).to(device), hoffs)
-        cand = self.encoder.items(torch.from_numpy(np.concatenate([req.cand_items[i] for i in idx])).to(device))
-        b = self.tokenizer(self.dropout(hist), hoffs, cand, coffs)
+    @property
+    def group_size(self) -> int:
+        """Tokens per candidate: the candidate and its task tokens (1 in the ablation)."""
+        return self.tokenizer.group_size
+
+    def forward(self, hist_items: torch.Tensor, hist_times: torch.Tensor, hist_offsets: torch.Tensor,
+                cand_items: torch.Tensor, cand_offsets: torch.Tensor) -> torch.Tensor:
+        """Scores ``(C, len(TASKS))`` of candidates ``cand_items (C,)`` (jagged by ``cand_offsets (B + 1,)``)
+        after histories ``hist_items, hist_times (T_h,)`` (jagged by ``hist_offsets (B + 1,)``)."""
+        hist = self.encoder(hist_items, hist_times, hist_offsets)
+        cand = self.encoder.items(cand_items)
+        b = self.tokenizer(self.dropout(hist), hist_offsets, cand, cand_offsets)
         if self.task_tokens:
-            func = masks.onerank(b.seq_offsets, b.num_targets, self.tokenizer.group_size, total=b.x.shape[0], _check=False)
+            func = masks.onerank(b.seq_offsets, b.num_targets, self.tokenizer.group_size, total=b.x.shape[0])
             out = self.stack(b.x, b.seq_offsets, b.max_seq_len, attn_func=func)
             z = out[b.task_rows]
         else:
             out = self.stack(b.x, b.seq_offsets, b.max_seq_len, num_targets=b.num_targets)
             z = out[b.candidate_rows][:, None, :].expand(-1, len(TASKS), -1)
-        labels = torch.from_numpy(np.concatenate([req.labels[i] for i in idx])).to(device)
-        return self.head(z), labels, coffs
-
-
-def auc(scores: np.ndarray, labels: np.ndarray) -> float:
-    """Area under the ROC curve by the rank statistic (ties get average ranks); NaN if one class is absent."""
-    pos, neg = labels > 0.5, labels <= 0.5
-    if pos.sum() == 0 or neg.sum() == 0:
-        return float("nan")
-    order = np.argsort(scores, kind="mergesort")
-    ranks = np.empty(len(scores))
-    s = scores[order]
-    i = 0
-    while i < len(s):
-        j = i
-        while j + 1 < len(s) and s[j + 1] == s[i]:
-            j += 1
-        ranks[order[i:j + 1]] = (i + j) / 2 + 1
-        i = j + 1
-    return float((ranks[pos].sum() - pos.sum() * (pos.sum() + 1) / 2) / (pos.sum() * neg.sum()))
-
-
-def ndcg_at(scores: np.ndarray, labels: np.ndarray, k: int = 10) -> float:
-    """NDCG@k of one candidate list with binary labels; NaN without positives."""
-    if labels.sum() == 0:
-        return float("nan")
-    top = np.argsort(-scores, kind="mergesort")[:k]
-    dcg = (labels[top] / np.log2(np.arange(2, len(top) + 2))).sum()
-    ideal = (1.0 / np.log2(np.arange(2, min(int(labels.sum()), k) + 2))).sum()
-    return float(dcg / ideal)
+        return self.head(z)

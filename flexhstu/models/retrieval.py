@@ -11,8 +11,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import masks
+from .._errors import bad_value
 from ..nn import InputEncoder, STULayerConfig, STUStack
 from ..ops import Kernel
+
+
+def check_heads(dim: int, heads: int) -> None:
+    """Heads split the model width evenly; a remainder would silently make the attention narrower than ``dim``."""
+    if heads < 1 or dim % heads:
+        raise bad_value("heads", f"a divisor of dim={dim}", heads)
+
+
+def stu_config(dim: int, heads: int, dropout: float, kernel: Kernel) -> STULayerConfig:
+    """STU layers of width ``dim`` whose heads split it evenly (``dim // heads`` per head for q, k, u and v)."""
+    check_heads(dim, heads)
+    return STULayerConfig(embedding_dim=dim, num_heads=heads, attention_dim=dim // heads, hidden_dim=dim // heads,
+                          dropout=dropout, kernel=kernel)
 
 
 @dataclass
@@ -25,12 +39,14 @@ class SeqBatch:
     offsets: torch.Tensor
     max_len: int
 
-    def to(self, device) -> "SeqBatch":
-        return SeqBatch(self.items.to(device), self.times.to(device), self.targets.to(device), self.offsets.to(device), self.max_len)
+    def to(self, device) -> SeqBatch:
+        return SeqBatch(self.items.to(device), self.times.to(device), self.targets.to(device), self.offsets.to(device),
+                        self.max_len)
 
 
 def make_batch(items: list[np.ndarray], times: list[np.ndarray], max_len: int, with_targets: bool = True) -> SeqBatch:
-    """``with_targets``: inputs ``s[:-1]`` and targets ``s[1:]`` (the last ``max_len``); else inputs ``s`` (last ``max_len``)."""
+    """``with_targets``: inputs ``s[:-1]`` and targets ``s[1:]`` (the last ``max_len``); else inputs ``s`` (the last
+    ``max_len``)."""
     ins, ts, tg, offs = [], [], [], [0]
     for s, t in zip(items, times):
         if with_targets:
@@ -39,13 +55,20 @@ def make_batch(items: list[np.ndarray], times: list[np.ndarray], max_len: int, w
             s_in, t_in, s_tg = s[-max_len:], t[-max_len:], np.zeros(min(len(s), max_len), dtype=np.int64)
         ins.append(s_in), ts.append(t_in), tg.append(s_tg)
         offs.append(offs[-1] + len(s_in))
-    cat = lambda xs: torch.from_numpy(np.concatenate(xs).astype(np.int64))  # noqa: E731
+    cat = lambda xs: torch.from_numpy(np.concatenate(xs).astype(np.int64))
     lengths = np.diff(offs)
     return SeqBatch(cat(ins), cat(ts), cat(tg), torch.tensor(offs, dtype=torch.int64), int(lengths.max()))
 
 
 class _Retrieval(nn.Module):
+    """Shared training and scoring of next-item models: a subclass gives the ``encoder`` (whose item table is
+    both input embedding and output layer) and ``states``."""
+
     temperature = 0.05
+
+    def __init__(self, encoder: InputEncoder):
+        super().__init__()
+        self.encoder = encoder
 
     def states(self, batch: SeqBatch) -> torch.Tensor:  # (total, D)
         raise NotImplementedError
@@ -78,12 +101,10 @@ class HSTURetrieval(_Retrieval):
     def __init__(self, num_items: int, dim: int = 64, layers: int = 2, heads: int = 2, max_len: int = 200,
                  mask: str = "causal", sla_k1: int = 32, sla_k2: int = 4, dropout: float = 0.2,
                  kernel: Kernel = Kernel.AUTO):
-        super().__init__()
         if mask not in ("causal", "sla"):
-            raise ValueError(f"mask: expected 'causal' or 'sla', got {mask!r}")
-        self.encoder = InputEncoder(num_items, dim, max_len)
-        cfg = STULayerConfig(dim, heads, dim // heads, dim // heads, dropout, kernel)
-        self.stack = STUStack(cfg, layers)
+            raise bad_value("mask", "'causal' or 'sla'", repr(mask))
+        super().__init__(InputEncoder(num_items, dim, max_len))
+        self.stack = STUStack(stu_config(dim, heads, dropout, kernel), layers)
         self.mask, self.sla_k1, self.sla_k2 = mask, sla_k1, sla_k2
         self.dropout = nn.Dropout(dropout)
 
@@ -91,7 +112,7 @@ class HSTURetrieval(_Retrieval):
         x = self.dropout(self.encoder(batch.items, batch.times, batch.offsets))
         kw = {}
         if self.mask == "sla":
-            kw["attn_func"] = masks.sla(batch.offsets, self.sla_k1, self.sla_k2, total=x.shape[0], _check=False)
+            kw["attn_func"] = masks.sla(batch.offsets, self.sla_k1, self.sla_k2, total=x.shape[0])
         return self.stack(x, batch.offsets, batch.max_len, **kw)
 
 
@@ -100,8 +121,8 @@ class SASRecRetrieval(_Retrieval):
 
     def __init__(self, num_items: int, dim: int = 64, layers: int = 2, heads: int = 2, max_len: int = 200,
                  dropout: float = 0.2):
-        super().__init__()
-        self.encoder = InputEncoder(num_items, dim, max_len)
+        check_heads(dim, heads)
+        super().__init__(InputEncoder(num_items, dim, max_len))
         layer = nn.TransformerEncoderLayer(dim, heads, 2 * dim, dropout, batch_first=True, norm_first=True)
         self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(dim)

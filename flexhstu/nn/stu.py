@@ -11,8 +11,11 @@ from torch import nn
 from ..ops import Kernel, hstu_mha
 
 
-@dataclass
+@dataclass(kw_only=True)
 class STULayerConfig:
+    """One STU layer's sizes. Keyword-only: the generative-recommenders config orders its fields differently
+    (``hidden_dim`` before ``attention_dim``), so a positional call could swap them silently."""
+
     embedding_dim: int = 64
     num_heads: int = 2
     attention_dim: int = 32  # per head, for q and k

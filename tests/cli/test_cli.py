@@ -18,13 +18,10 @@ def test_show_mask_draws_visible_hidden_and_padding(tmp_path, capsys):
     assert "NFUNC 3" in capsys.readouterr().out
 
 
-def test_show_mask_onerank_needs_targets(tmp_path):
-    try:
-        main(["show-mask", "onerank", "--lengths", "20", "-o", str(tmp_path / "x.png")])
-    except SystemExit as e:
-        assert "--targets is required" in str(e)
-    else:
-        raise AssertionError("expected SystemExit")
+def test_show_mask_onerank_needs_targets(tmp_path, capsys):
+    assert main(["show-mask", "onerank", "--lengths", "20", "-o", str(tmp_path / "x.png")]) == 2
+    assert "--targets: expected one target count per sequence" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()
 
 
 def test_demo_checks_against_the_reference_and_writes_pictures(tmp_path, capsys):

@@ -1,0 +1,75 @@
+"""How the commands answer a user's mistake: one line ``flexhstu <command>: error: ...``, exit status 2.
+
+Only mistakes in the input become that line: argparse errors, and ``ValueError``/``TypeError``/``OSError``
+raised inside a ``user_input()`` block (the steps that validate what the user gave: parsing, the data
+file, the checkpoint, the device, the mask arguments). Anything raised elsewhere is a bug and keeps
+its traceback; ``--debug`` shows the traceback of a user error too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+
+class UserError(Exception):
+    """A mistake in the command's input; its message is the whole answer."""
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (no usage block) with exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+@contextmanager
+def user_input(arg: str | None = None) -> Iterator[None]:
+    """Marks a validation step: its ValueError, TypeError and OSError are the user's mistake. ``arg`` names the
+    argument the step reads, for errors (such as a file that cannot be written) that do not name it."""
+    try:
+        yield
+    except (ValueError, TypeError, OSError) as e:
+        text = f"{e.strerror}: '{e.filename}'" if isinstance(e, OSError) and e.strerror else str(e)
+        raise UserError(f"{arg}: {text}" if arg else text) from e
+
+
+def run(prog: str, fn: Callable[[], int], debug: bool) -> int:
+    """``fn()``, with a ``UserError`` turned into one line on stderr and exit status 2 (re-raised with ``debug``)."""
+    try:
+        return fn()
+    except UserError as e:
+        if debug:
+            raise
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an int >= 0."""
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text: str, low: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got '{text}'") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+    return value
+
+
+def lengths_list(text: str) -> list[int]:
+    """argparse type: comma-separated non-negative integers, e.g. ``40,64``."""
+    parts = [x.strip() for x in text.split(",") if x.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 0, got '{text}'")
+    return [non_negative_int(x) for x in parts]

@@ -1,0 +1,74 @@
+"""A user's mistake gets one line ``flexhstu <command>: error: ...`` and exit status 2; bugs keep their traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import flexhstu.cli.main as cli_main
+from flexhstu.cli.common import UserError
+
+
+def _status(argv) -> int:
+    try:
+        return cli_main.main(argv)
+    except SystemExit as e:  # argparse
+        return e.code
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["show-mask", "sla", "--lengths", "5,-3"], "argument --lengths: expected an integer >= 0, got -3"),
+    (["show-mask", "sla", "--lengths", "abc"], "argument --lengths: expected an integer >= 0, got 'abc'"),
+    (["show-mask", "onerank", "--lengths", "20"], "--targets: expected one target count per sequence"),
+    (["show-mask", "onerank", "--lengths", "20", "--targets", "3"], "num_targets[0]: expected a multiple of"),
+    (["show-mask", "sla", "--lengths", "20,4", "--targets", "1"], "--targets: expected 2 values"),
+    (["show-mask", "sla", "--lengths", "20", "--k1", "0"], "argument --k1: expected an integer >= 1, got 0"),
+    (["show-mask", "sla", "--lengths", "20", "-o", "/nonexistent-dir/m.png"], "--output: No such file or directory"),
+    (["demo", "--out", "/dev/null/x"], "--out: Not a directory"),
+    (["train", "--device", "cuda", "--data", "synthetic"], "--device: expected cpu (CUDA is not available here)"),
+    (["train", "--data", "/nonexistent/ratings.csv"], "--data: expected ml-100k, synthetic or a ratings file"),
+    (["train", "--batch-size", "0"], "argument --batch-size: expected an integer >= 1, got 0"),
+])
+def test_a_mistake_is_one_line_and_status_2(tmp_path, capsys, monkeypatch, argv, fragment):
+    if argv[0] == "train":
+        argv = argv + ["--out", str(tmp_path / "run"), "--quiet"]
+        monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    else:
+        monkeypatch.chdir(tmp_path)
+    assert _status(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"flexhstu {argv[0]}: error: ") and fragment in err[0], err
+
+
+def test_a_bad_checkpoint_is_one_line(tmp_path, capsys):
+    (tmp_path / "checkpoint.pt").write_bytes(b"\x00" * 10)
+    argv = ["train", "--data", "synthetic", "--resume", "--out", str(tmp_path), "--quiet", "--device", "cpu"]
+    assert _status(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"flexhstu train: error: {tmp_path / 'checkpoint.pt'}: not a complete flexhstu checkpoint "
+                   "(UnpicklingError: Weights only load failed)"], err
+
+
+def test_the_command_line_prints_no_traceback(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "flexhstu.cli.main", "show-mask", "onerank", "--lengths", "20",
+                        "--targets", "3", "-o", str(tmp_path / "m.png")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [
+        "flexhstu show-mask: error: num_targets[0]: expected a multiple of group_size=4, got 3"]
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    with pytest.raises(UserError, match="num_targets"):
+        cli_main.main(["show-mask", "onerank", "--lengths", "20", "--targets", "3", "--debug",
+                       "-o", str(tmp_path / "m.png")])
+
+
+def test_a_bug_outside_input_validation_keeps_its_traceback(tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise ValueError("a bug in the kernel")
+
+    monkeypatch.setattr(cli_main, "hstu_mha", broken)
+    with pytest.raises(ValueError, match="a bug in the kernel"):
+        cli_main.main(["demo", "--out", str(tmp_path)])

@@ -1,0 +1,114 @@
+"""Ratings files: exact parsing, a cache that survives concurrent first loads and corruption."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from flexhstu.data import load
+
+
+def _csv(tmp_path, rows: list[str]):
+    f = tmp_path / "ratings.csv"
+    f.write_text("userId,movieId,rating,timestamp\n" + "\n".join(rows) + "\n")
+    return f
+
+
+def test_ids_are_parsed_exactly_as_integers(tmp_path):
+    big = 2**53
+    d = load(str(_csv(tmp_path, [f"{big},1,4,10", f"{big + 1},2,3,11", "7,3,5,9223372036854775807"])),
+             cache_dir=tmp_path / "cache")
+    assert d.user.tolist() == [big, big + 1, 7]  # through float64 both users were 2^53
+    assert d.timestamp.tolist() == [10, 11, 2**63 - 1]
+
+
+@pytest.mark.parametrize("row,column,got", [
+    ("1.5,2,4,10", "user", "1.5"),
+    ("nan,2,4,10", "user", "nan"),
+    ("1,2e3,4,10", "item", "2e3"),
+    ("1,2,4,10.25", "timestamp", "10.25"),
+    ("1,2,4,9223372036854775808", "timestamp", "9223372036854775808"),
+    ("1,2,nan,10", "rating", "nan"),
+    ("1,2,inf,10", "rating", "inf"),
+    ("1,2,4", "timestamp", ""),
+])
+def test_a_bad_value_names_the_file_the_line_and_the_column(tmp_path, row, column, got):
+    f = _csv(tmp_path, ["1,1,4,5", row])
+    kind = "a finite number" if column == "rating" else "an integer"
+    with pytest.raises(ValueError, match=f"ratings.csv, line 3, column '{column}': expected {kind}, got '{got}'"):
+        load(str(f), cache_dir=tmp_path / "cache")
+
+
+# Each process waits for the round's "go" file, then loads into that round's fresh cache folder.
+LOADER = """
+import os, sys, time
+from pathlib import Path
+from flexhstu.data import load
+src, root, rounds, me = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+(root / f"ready-{me}").touch()
+for r in range(rounds):
+    while not (root / f"go-{r}").exists():
+        time.sleep(0.001)
+    d = load(src, cache_dir=root / f"cache-{r}")
+    assert len(d) == 2000, len(d)
+    (root / f"done-{r}-{me}").touch()
+"""
+
+
+def test_concurrent_first_loads_into_a_fresh_cache_all_succeed(tmp_path):
+    rng = np.random.default_rng(0)
+    src = _csv(tmp_path, [f"{u},{i},4,{t}" for u, i, t in zip(rng.integers(0, 50, 2000), rng.integers(0, 300, 2000),
+                                                              range(2000))])
+    procs, rounds = 4, 6
+    root = tmp_path / "runs"
+    root.mkdir()
+    ps = [subprocess.Popen([sys.executable, "-c", LOADER, str(src), str(root), str(rounds), str(k)],
+                           stderr=subprocess.PIPE, text=True) for k in range(procs)]
+    try:
+        while len(list(root.glob("ready-*"))) < procs:
+            time.sleep(0.01)
+            assert all(p.poll() is None for p in ps), [p.stderr.read() for p in ps]
+        for r in range(rounds):
+            (root / f"go-{r}").touch()
+            while len(list(root.glob(f"done-{r}-*"))) < procs and all(p.poll() is None for p in ps):
+                time.sleep(0.005)
+    finally:
+        errors = [p.communicate(timeout=60)[1] for p in ps]
+    assert [p.returncode for p in ps] == [0] * procs, errors
+    for r in range(rounds):
+        files = sorted(p.name for p in (root / f"cache-{r}").iterdir())
+        assert len(files) == 1 and files[0].endswith(".parquet"), files  # no temporary file left behind
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "foreign"])
+def test_a_corrupt_cache_is_reported_and_rebuilt(tmp_path, capsys, damage):
+    src = _csv(tmp_path, ["1,10,4,100", "1,20,3,50", "2,10,5,70"])
+    want = load(str(src), cache_dir=tmp_path / "cache")
+    (cached,) = (tmp_path / "cache").glob("*.parquet")
+    if damage == "truncate":
+        cached.write_bytes(cached.read_bytes()[:40])
+    elif damage == "garbage":
+        cached.write_bytes(b"\x00garbage" * 100)
+    else:
+        pq.write_table(pq.read_table(cached).drop(["rating"]), cached)
+    capsys.readouterr()
+    got = load(str(src), cache_dir=tmp_path / "cache")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"flexhstu: rebuilding the unreadable cache {cached}")
+    for c in ("user", "item", "rating", "timestamp"):
+        assert np.array_equal(getattr(got, c), getattr(want, c))
+    assert pq.read_table(cached).num_rows == 3  # the cache itself is whole again
+    load(str(src), cache_dir=tmp_path / "cache")
+    assert capsys.readouterr().err == ""
+
+
+def test_an_unreadable_parquet_data_file_gets_a_clear_error(tmp_path):
+    f = tmp_path / "events.parquet"
+    f.write_bytes(b"PAR1 but not really")
+    with pytest.raises(ValueError, match=r"events\.parquet: expected a Parquet file, could not read it"):
+        load(str(f))

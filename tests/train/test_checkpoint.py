@@ -1,0 +1,92 @@
+"""Checkpoints survive a kill at any moment and refuse files that are not complete flexhstu checkpoints."""
+
+from __future__ import annotations
+
+import pickle
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from flexhstu import checkpoint, train
+
+TINY = ["--data", "synthetic", "--dim", "16", "--layers", "1", "--heads", "2", "--max-len", "20", "--batch-size", "64",
+        "--negatives", "32", "--quiet", "--device", "cpu"]
+
+# Re-saves the run's checkpoint with a large payload tagged by a version number, forever.
+SAVER = """
+import sys, torch
+from flexhstu import checkpoint
+path = sys.argv[1]
+state = checkpoint.load(path)
+for version in range(10**9):
+    state["pad"] = torch.full((8 * 2**20,), version, dtype=torch.int32)  # 32 MiB
+    state["pad_version"] = version
+    checkpoint.save(state, path)
+    print(version, flush=True)
+"""
+
+
+def test_a_checkpoint_killed_mid_save_is_a_complete_version_and_resumes(tmp_path):
+    out = tmp_path / "run"
+    train.main(TINY + ["--epochs", "2", "--stop-after", "1", "--out", str(out)])
+    ckpt = out / "checkpoint.pt"
+    rng = random.Random(0)
+    for _ in range(4):
+        proc = subprocess.Popen([sys.executable, "-c", SAVER, str(ckpt)], stdout=subprocess.PIPE, text=True)
+        proc.stdout.readline()  # one save done: the next ones overwrite a complete checkpoint
+        time.sleep(rng.uniform(0.0, 0.2))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        state = checkpoint.load(ckpt)
+        v = state["pad_version"]
+        assert torch.equal(state["pad"], torch.full_like(state["pad"], v))
+        assert state["epoch"] == 1
+    resumed = train.main(TINY + ["--epochs", "2", "--resume", "--out", str(out)])
+    assert [h["epoch"] for h in resumed["history"]] == [1, 2] and resumed["test"]
+
+
+def test_save_leaves_the_previous_checkpoint_when_writing_fails(tmp_path, monkeypatch):
+    path = tmp_path / "checkpoint.pt"
+    checkpoint.save({"epoch": 1}, path)
+
+    def broken(obj, f):
+        f.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", broken)
+    with pytest.raises(OSError, match="disk full"):
+        checkpoint.save({"epoch": 2}, path)
+    monkeypatch.undo()
+    assert checkpoint.load(path)["epoch"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]  # the temporary file is gone
+
+
+def _write_truncated(p):
+    checkpoint.save({"epoch": 1, "w": torch.randn(1000)}, p)
+    p.write_bytes(p.read_bytes()[:3000])
+
+
+@pytest.mark.parametrize("make", [
+    lambda p: p.write_bytes(b""),
+    _write_truncated,
+    lambda p: p.write_bytes(b"not a checkpoint at all"),
+    lambda p: p.write_bytes(pickle.dumps({"epoch": 1})),
+    lambda p: torch.save({"epoch": 1}, p),
+], ids=["empty", "truncated", "garbage", "foreign-pickle", "foreign-torch"])
+def test_incomplete_or_foreign_checkpoints_get_one_clear_error(tmp_path, make):
+    path = tmp_path / "checkpoint.pt"
+    make(path)
+    with pytest.raises(ValueError, match=f"{path}: not a complete flexhstu checkpoint"):
+        checkpoint.load(path)
+
+
+def test_a_checkpoint_of_another_version_is_refused(tmp_path):
+    path = tmp_path / "checkpoint.pt"
+    torch.save({"format": checkpoint.FORMAT, "version": 99}, path)
+    with pytest.raises(ValueError, match="expected a flexhstu checkpoint of version 1, got version 99"):
+        checkpoint.load(path)

@@ -1,0 +1,102 @@
+"""Training refuses what would silently change or void a run: bad sizes, a different run on --resume, no users."""
+
+from __future__ import annotations
+
+import pytest
+
+from flexhstu import checkpoint, train
+from flexhstu.cli.common import UserError
+from flexhstu.data import synthetic
+
+TINY = ["--data", "synthetic", "--dim", "16", "--layers", "1", "--heads", "2", "--max-len", "20", "--batch-size", "64",
+        "--negatives", "32", "--quiet", "--device", "cpu"]
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["--batch-size", "0"], "argument --batch-size: expected an integer >= 1, got 0"),
+    (["--max-len", "0"], "argument --max-len: expected an integer >= 1, got 0"),
+    (["--epochs", "0"], "argument --epochs: expected an integer >= 1, got 0"),
+    (["--negatives", "0"], "argument --negatives: expected an integer >= 1, got 0"),
+    (["--dim", "-8"], "argument --dim: expected an integer >= 1, got -8"),
+    (["--seed", "-1"], "argument --seed: expected an integer >= 0, got -1"),
+    (["--stop-after", "-1"], "argument --stop-after: expected an integer >= 0, got -1"),
+    (["--dropout", "1"], "argument --dropout: expected a probability in [0, 1), got 1.0"),
+    (["--lr", "0"], "argument --lr: expected a finite number > 0, got 0.0"),
+    (["--dim", "64", "--heads", "3"], "--heads: expected a divisor of --dim 64, got 3"),
+])
+def test_bad_sizes_are_argparse_errors(capsys, argv, fragment):
+    with pytest.raises(SystemExit) as e:
+        train.parse(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0] == f"flexhstu train: error: {fragment}", err
+
+
+def _ratings(tmp_path, events_per_user: int):
+    f = tmp_path / "ratings.dat"
+    f.write_text("".join(f"{u}::{i}::4::{i}\n" for u in range(5) for i in range(1, events_per_user + 1)))
+    return str(f)
+
+
+def test_retrieval_without_a_user_of_three_events_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEXHSTU_CACHE", str(tmp_path / "cache"))
+    data = _ratings(tmp_path, 2)
+    with pytest.raises(UserError, match=r"expected a user with 3 or more events .* got none; most events of a user: 2"):
+        train.main(TINY[2:] + ["--data", data, "--out", str(tmp_path / "run")])
+
+
+def test_ranking_without_an_eligible_user_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEXHSTU_CACHE", str(tmp_path / "cache"))
+    data = _ratings(tmp_path, 10)
+    with pytest.raises(UserError, match=r"ranking expected a user with 17 or more events"):
+        train.main(["--task", "ranking", "--model", "onerank"] + TINY[2:] + ["--data", data,
+                                                                               "--out", str(tmp_path / "run")])
+
+
+@pytest.fixture(scope="module")
+def one_epoch(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    train.main(TINY + ["--epochs", "3", "--stop-after", "1", "--out", str(out)])
+    return out
+
+
+def _copy(src, dst):
+    dst.mkdir()
+    (dst / "checkpoint.pt").write_bytes((src / "checkpoint.pt").read_bytes())
+    return str(dst)
+
+
+@pytest.mark.parametrize("change,fragment", [
+    (["--dim", "32"], "--dim 16 in the checkpoint, 32 now"),
+    (["--seed", "1"], "--seed 0 in the checkpoint, 1 now"),
+    (["--mask", "sla"], "--mask 'causal' in the checkpoint, 'sla' now"),
+    (["--negatives", "8"], "--negatives 32 in the checkpoint, 8 now"),
+])
+def test_resume_refuses_a_run_that_changes_the_model_or_data(one_epoch, tmp_path, change, fragment):
+    out = _copy(one_epoch, tmp_path / "r")
+    with pytest.raises(UserError, match=r"--resume: expected the run of .* got a different one") as e:
+        train.main(TINY + ["--epochs", "3", "--resume", "--out", out] + change)
+    assert fragment in str(e.value)
+
+
+def test_resume_refuses_other_data_behind_the_same_name(one_epoch, tmp_path, monkeypatch):
+    out = _copy(one_epoch, tmp_path / "r")
+    monkeypatch.setattr(train, "load", lambda data: synthetic(num_users=200))  # same name, other contents
+    with pytest.raises(UserError, match="--data-rows"):
+        train.main(TINY + ["--epochs", "3", "--resume", "--out", out])
+
+
+def test_resume_applies_a_new_learning_rate_and_more_epochs(one_epoch, tmp_path, capsys):
+    out = _copy(one_epoch, tmp_path / "r")
+    r = train.main(TINY + ["--epochs", "2", "--stop-after", "1", "--lr", "0.001", "--resume", "--out", out])
+    err = capsys.readouterr().err
+    assert "flexhstu train: resuming: --lr 0.001 replaces the checkpoint's 0.003" in err
+    assert "flexhstu train: resuming: --epochs 2 replaces the checkpoint's 3 (1 done)" in err
+    state = checkpoint.load(tmp_path / "r" / "checkpoint.pt")
+    assert [g["lr"] for g in state["opt"]["param_groups"]] == [0.001]
+    assert state["config"]["lr"] == 0.001 and state["epoch"] == 2 and "test" in r
+
+
+def test_resume_without_a_checkpoint_is_an_error(tmp_path):
+    with pytest.raises(UserError, match=r"--resume: expected a checkpoint at .*checkpoint\.pt, no such file"):
+        train.main(TINY + ["--resume", "--out", str(tmp_path)])

@@ -1,0 +1,51 @@
+"""Retrieval and ranking metrics against hand-computed values."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from flexhstu.metrics import auc, hit_rate_and_ndcg, list_ndcg, ndcg_at, target_rank
+
+
+def test_auc_is_the_share_of_correctly_ordered_pairs_with_ties_counting_half():
+    assert auc(np.array([0.1, 0.9, 0.5, 0.3]), np.array([0, 1, 1, 0])) == 1.0
+    assert auc(np.array([1.0, 1.0]), np.array([0, 1])) == 0.5
+    # positives 0.4, 0.8 against negatives 0.5, 0.8: pairs (0.4 < 0.5) lost, (0.4 < 0.8) lost, (0.8 > 0.5) won,
+    # (0.8 = 0.8) half
+    assert auc(np.array([0.4, 0.5, 0.8, 0.8]), np.array([1, 0, 1, 0])) == pytest.approx(1.5 / 4)
+    assert math.isnan(auc(np.array([0.1, 0.2]), np.array([1, 1])))
+
+
+def test_ndcg_at_k_discounts_by_position_and_normalises_by_the_ideal_list():
+    assert ndcg_at(np.array([0.9, 0.1, 0.5]), np.array([0, 1, 0])) == pytest.approx(1 / np.log2(4))
+    # positives at ranks 0 and 2 of 3; ideal puts them at ranks 0 and 1
+    want = (1 + 1 / np.log2(4)) / (1 + 1 / np.log2(3))
+    assert ndcg_at(np.array([0.9, 0.5, 0.1]), np.array([1, 0, 1])) == pytest.approx(want)
+    assert ndcg_at(np.array([0.9, 0.5, 0.1]), np.array([0, 0, 1]), k=2) == 0.0
+    assert math.isnan(ndcg_at(np.array([0.3]), np.array([0])))
+
+
+def test_list_ndcg_averages_lists_with_a_positive_only():
+    scores = np.array([0.9, 0.1, 0.2, 0.8, 0.5])
+    labels = np.array([0, 1, 0, 0, 1])
+    # list [0, 2): positive at rank 1; list [2, 3): no positive (skipped); list [3, 5): positive at rank 1
+    assert list_ndcg(scores, labels, np.array([0, 2, 3, 5])) == pytest.approx(1 / np.log2(3))
+    assert math.isnan(list_ndcg(scores, np.zeros(5), np.array([0, 5])))
+
+
+def test_target_rank_ignores_padding_and_seen_items_but_not_the_target():
+    scores = torch.tensor([9.0, 1.0, 5.0, 3.0, 4.0])  # item 0 is padding
+    assert target_rank(scores, 3, torch.tensor([], dtype=torch.int64)) == 2  # items 2 and 4 score higher
+    assert target_rank(scores, 3, torch.tensor([2, 3])) == 1  # 2 is seen; the target itself is never removed
+    assert target_rank(scores, 2, torch.tensor([4])) == 0
+
+
+def test_hit_rate_and_ndcg_count_ranks_below_k():
+    got = hit_rate_and_ndcg([0, 3, 10, 12], k=10)
+    assert got == {"HR@10": 0.5, "NDCG@10": pytest.approx((1 + 1 / math.log2(5)) / 4)}
+    with pytest.raises(ValueError, match="ranks: expected at least one rank"):
+        hit_rate_and_ndcg([])
