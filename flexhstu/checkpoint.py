@@ -23,7 +23,7 @@ VERSION = 1
 def save(state: dict, path: str | os.PathLike) -> None:
     """Write ``state`` (plus the format marker and version) to ``path`` atomically."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save({"format": FORMAT, "version": VERSION, **state}, f)
@@ -38,6 +38,32 @@ def save(state: dict, path: str | os.PathLike) -> None:
         os.fsync(folder)  # the rename itself must reach the disk
     finally:
         os.close(folder)
+    _remove_orphans(path)
+
+
+def _remove_orphans(path: Path) -> None:
+    """Delete temporary files that killed writers left beside ``path`` (their pid no longer runs).
+
+    Files of live writers (another process saving to the same folder) are left alone.
+    """
+    for tmp in path.parent.glob(f".{path.name}.*.tmp"):
+        pid = tmp.name[len(path.name) + 2:].split(".", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        try:
+            tmp.unlink()
+        except FileNotFoundError:  # another writer removed it first
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
 
 
 def load(path: str | os.PathLike, map_location=None) -> dict:

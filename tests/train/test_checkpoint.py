@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import random
 import signal
@@ -90,3 +91,16 @@ def test_a_checkpoint_of_another_version_is_refused(tmp_path):
     torch.save({"format": checkpoint.FORMAT, "version": 99}, path)
     with pytest.raises(ValueError, match="expected a flexhstu checkpoint of version 1, got version 99"):
         checkpoint.load(path)
+
+
+def test_temporary_files_of_killed_writers_are_removed_and_live_ones_kept(tmp_path):
+    path = tmp_path / "checkpoint.pt"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    orphan = tmp_path / f".checkpoint.pt.{dead.pid}.abc.tmp"
+    live = tmp_path / f".checkpoint.pt.{os.getppid()}.def.tmp"  # the parent process is alive
+    orphan.write_bytes(b"half")
+    live.write_bytes(b"in flight")
+    checkpoint.save({"epoch": 1}, path)
+    assert not orphan.exists() and live.exists()
+    assert checkpoint.load(path)["epoch"] == 1
