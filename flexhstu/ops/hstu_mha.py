@@ -14,8 +14,8 @@ import torch
 
 from .._errors import bad_type, bad_value
 from ..jagged import check_offsets_meta, check_offsets_values, row_coords
-from ..masks.format import check_func_meta, to_dense
-from ..masks.rules import dense_fixed
+from ..masks.format import check_func_meta
+from ..masks.rules import FixedRule
 from .cutlass import unavailable_reason
 from .kernel import Kernel
 from .pytorch import pytorch_hstu_mha
@@ -139,15 +139,13 @@ def hstu_mha(
             max_seq_len, alpha, q, k, v, seq_offsets, causal, dropout_pr, training, num_targets,
             max_attn_len, contextual_seq_len, min_full_attn_seq_len, attn_func, scaling,
         )
-    if attn_func is not None:
-        mask = to_dense(attn_func, seq_offsets, max_seq_len)
-    else:
-        mask = dense_fixed(
-            seq_offsets, max_seq_len, causal=causal, num_targets=num_targets, max_attn_len=max_attn_len,
-            contextual_seq_len=contextual_seq_len, min_full_attn_seq_len=min_full_attn_seq_len,
-        )
-    return pytorch_hstu_mha(max_seq_len, alpha, q, k, v, seq_offsets, mask, scaling, dropout_pr, training)
-
+    mask = attn_func if attn_func is not None else FixedRule(
+        causal, num_targets, max_attn_len, contextual_seq_len, min_full_attn_seq_len
+    )
+    return pytorch_hstu_mha(
+        q, k, v, seq_offsets, mask, alpha=alpha, scaling_seqlen=scaling, max_seq_len=max_seq_len,
+        dropout_pr=dropout_pr if training else 0.0,
+    )
 
 def _check_values_on_host(seq_offsets: torch.Tensor, total: int, max_seq_len: int, num_targets: torch.Tensor | None) -> None:
     check_offsets_values(seq_offsets, total=total)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from rules import dense_attention_f64, offsets_from
 
 import flexhstu
 from flexhstu import Kernel, masks
-from rules import dense_attention_f64, offsets_from
 
 
 def make_batch(lengths, heads=2, dqk=8, dv=6, dtype=torch.float64, seed=0):
@@ -102,3 +104,84 @@ def test_dropout_zeroes_and_rescales_only_in_training():
     torch.manual_seed(0)
     trained = flexhstu.hstu_mha(8, None, q, k, v, offs, dropout_pr=0.5, training=True, kernel=Kernel.PYTORCH)
     assert not torch.allclose(trained, base)
+
+
+def run_with_grads(lengths, q, k, v, **kw):
+    """Output and (dq, dk, dv) of hstu_mha(PYTORCH) for a fixed upstream gradient."""
+    q, k, v = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+    out = flexhstu.hstu_mha(max(lengths), None, q, k, v, offsets_from(lengths), kernel=Kernel.PYTORCH, **kw)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
+    return out, torch.autograd.grad(out, (q, k, v), dout)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+@pytest.mark.parametrize("mask", ["causal", "sla-func"])
+def test_non_finite_input_in_one_sequence_leaves_the_others_untouched(which, bad, mask):
+    # Sequence 1 is poisoned; sequence 0 is shorter than the longest, so its padding
+    # gathers rows of sequence 1, and sequence 2 is last.
+    lengths = [5, 7, 4]
+    offs = offsets_from(lengths)
+    kw = {"attn_func": masks.sla(offs, 2, 1)} if mask == "sla-func" else {}
+    q, k, v = make_batch(lengths, seed=2)
+    clean, clean_grads = run_with_grads(lengths, q, k, v, **kw)
+    poisoned = dict(q=q.clone(), k=k.clone(), v=v.clone())
+    poisoned[which][[6, 9], 1, 0] = bad  # rows 1 and 4 of sequence 1; row 6 is in sequence 0's padding
+    out, grads = run_with_grads(lengths, **poisoned, **kw)
+    others = torch.cat([torch.arange(0, 5), torch.arange(12, 16)])
+    for got, want in zip((out, *grads), (clean, *clean_grads)):
+        assert bool(got[others].isfinite().all())
+        torch.testing.assert_close(got[others], want[others], rtol=1e-12, atol=1e-12)
+
+
+@given(lengths=st.lists(st.integers(1, 9), min_size=1, max_size=3), seed=st.integers(0, 1000), data=st.data())
+def test_nan_key_hidden_from_a_row_does_not_reach_that_row(lengths, seed, data):
+    offs = offsets_from(lengths)
+    total = sum(lengths)
+    func = torch.randint(-1, max(lengths) + 2, (2, 5, total), generator=torch.Generator().manual_seed(seed),
+                         dtype=torch.int32)
+    b = data.draw(st.integers(0, len(lengths) - 1))
+    j = data.draw(st.integers(0, lengths[b] - 1))
+    q, k, v = make_batch(lengths, seed=seed)
+    clean = flexhstu.hstu_mha(max(lengths), None, q, k, v, offs, attn_func=func, kernel=Kernel.PYTORCH)
+    k[int(offs[b]) + j] = float("nan")
+    out = flexhstu.hstu_mha(max(lengths), None, q, k, v, offs, attn_func=func, kernel=Kernel.PYTORCH)
+    sees = masks.to_dense(func, offs, max(lengths))[b, :, :, j]  # (Hf, N): which rows of sequence b see key j
+    for h in range(2):
+        blind = torch.ones(total, dtype=torch.bool)
+        blind[int(offs[b]) : int(offs[b + 1])] = ~sees[h, : lengths[b]]
+        torch.testing.assert_close(out[blind, h], clean[blind, h], rtol=0, atol=0)
+        assert bool(out[~blind, h].isnan().all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_with_large_inputs_matches_float64(dtype):
+    """Scores of magnitude ~1e4-1e5 overflow float16 (silu(-inf) is NaN); float32 holds them."""
+    lengths = [6, 9]
+    offs = offsets_from(lengths)
+    q, k, v = make_batch(lengths, dtype=torch.float64, seed=4)
+    q, k = (100 * q).to(dtype), (100 * k).to(dtype)
+    v = v.to(dtype)
+    q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)
+    out = flexhstu.hstu_mha(9, None, q, k, v, offs, scaling_seqlen=900, kernel=Kernel.PYTORCH)
+    qr, kr, vr = (x.detach().double().requires_grad_(True) for x in (q, k, v))
+    vis = masks.to_dense(masks.causal(offs), offs, 9)
+    ref = dense_attention_f64(qr, kr, vr, lengths, vis, 8**-0.5, 900.0)
+    assert ref.abs().max() < 1e4  # representable in both dtypes: any NaN/Inf is the op's
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    grads = torch.autograd.grad(out, (q, k, v), dout.to(dtype))
+    ref_grads = torch.autograd.grad(ref, (qr, kr, vr), dout)
+    tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
+    for got, want in zip((out, *grads), (ref, *ref_grads)):
+        assert bool(got.isfinite().all())
+        assert (got.double() - want).norm() <= tol * want.norm()
+
+
+def test_padding_follows_the_longest_sequence_not_max_seq_len():
+    # Padding to max_seq_len would allocate (B, H, N, N) scores: 64 GiB here.
+    lengths = [4, 6]
+    q, k, v = make_batch(lengths)
+    offs = offsets_from(lengths)
+    huge = flexhstu.hstu_mha(65536, None, q, k, v, offs, scaling_seqlen=6, kernel=Kernel.PYTORCH)
+    tight = flexhstu.hstu_mha(6, None, q, k, v, offs, kernel=Kernel.PYTORCH)
+    torch.testing.assert_close(huge, tight, rtol=0, atol=0)
