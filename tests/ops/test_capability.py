@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import importlib
 import re
 
 import pytest
 import torch
 from rules import offsets_from
 
-from flexhstu import masks
+import flexhstu
+from flexhstu import Kernel, masks
 from flexhstu.masks.rules import FixedRule
 from flexhstu.ops.capability import triton_unsupported_reason
 
 triton = pytest.importorskip("triton")
+hstu_mha_module = importlib.import_module("flexhstu.ops.hstu_mha")
 
 LENGTHS = [5, 3]
 
@@ -74,3 +77,25 @@ def test_predicate_wants_cuda_outside_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     q, _, v = qkv()
     assert "q.device: expected CUDA" in triton_unsupported_reason(q, v, FixedRule(), 0.0)
+
+
+@pytest.mark.parametrize("name", sorted(UNSUPPORTED))
+def test_explicit_triton_raises_with_the_reason(name, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    shape_kw, call_kw, msg = UNSUPPORTED[name]
+    q, k, v = qkv(**shape_kw)
+    with pytest.raises(ValueError, match=msg):
+        flexhstu.hstu_mha(5, None, q, k, v, offsets_from(LENGTHS), kernel=Kernel.TRITON, **call_kw)
+
+
+def test_auto_on_cpu_runs_the_reference_even_where_triton_could(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+    def refuse(call):
+        raise AssertionError("AUTO chose Triton for a CPU tensor")
+
+    monkeypatch.setitem(hstu_mha_module._BACKENDS, Kernel.TRITON, refuse)
+    q, k, v = qkv()
+    offs = offsets_from(LENGTHS)
+    auto = flexhstu.hstu_mha(5, None, q, k, v, offs)
+    torch.testing.assert_close(auto, flexhstu.hstu_mha(5, None, q, k, v, offs, kernel=Kernel.PYTORCH), rtol=0, atol=0)
