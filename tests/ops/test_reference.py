@@ -94,16 +94,61 @@ def test_low_precision_dtypes_stay_close_to_float64(dtype):
     assert err < (1e-5 if dtype == torch.float32 else 2e-2)
 
 
-def test_dropout_zeroes_and_rescales_only_in_training():
-    lengths = [8]
-    offs = offsets_from(lengths)
-    q, k, v = make_batch(lengths)
-    base = flexhstu.hstu_mha(8, None, q, k, v, offs, kernel=Kernel.PYTORCH)
-    evald = flexhstu.hstu_mha(8, None, q, k, v, offs, dropout_pr=0.5, training=False, kernel=Kernel.PYTORCH)
-    torch.testing.assert_close(evald, base)
+def attention_matrix(lengths, q, k, **kw):
+    """(H, L, L) attention matrix ``A`` of a one-sequence batch, read through one-hot values.
+
+    With ``v[j, h] = e_j``, output row ``i`` of head ``h`` is row ``i`` of ``A``.
+    """
+    (n,) = lengths
+    v = torch.eye(n, dtype=q.dtype)[:, None, :].expand(n, q.shape[1], n)
+    out = flexhstu.hstu_mha(n, None, q, k, v, offsets_from(lengths), kernel=Kernel.PYTORCH, **kw)
+    return out.permute(1, 0, 2)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_dropout_zeroes_a_fraction_p_and_rescales_the_rest_only_in_training(p):
+    lengths = [64]
+    q, k, _ = make_batch(lengths)
+    base = attention_matrix(lengths, q, k)
+    torch.testing.assert_close(attention_matrix(lengths, q, k, dropout_pr=p, training=False), base, rtol=0, atol=0)
     torch.manual_seed(0)
-    trained = flexhstu.hstu_mha(8, None, q, k, v, offs, dropout_pr=0.5, training=True, kernel=Kernel.PYTORCH)
-    assert not torch.allclose(trained, base)
+    dropped = attention_matrix(lengths, q, k, dropout_pr=p, training=True)
+    visible = base != 0  # causal: silu(s) is 0 only where the mask hides the pair
+    assert int(visible.sum()) == 2 * 64 * 65 // 2
+    assert not dropped[~visible].any()
+    kept = visible & (dropped != 0)
+    n = int(visible.sum())
+    zeroed = 1 - int(kept.sum()) / n
+    assert abs(zeroed - p) <= 5 * (p * (1 - p) / n) ** 0.5  # five binomial standard deviations
+    torch.testing.assert_close(dropped[kept], base[kept] / (1 - p), rtol=1e-12, atol=0)
+
+
+@given(lengths=st.lists(st.integers(0, 9), min_size=2, max_size=4), seed=st.integers(0, 1000),
+       dtype=st.sampled_from([torch.int32, torch.int64]))
+def test_strided_offsets_targets_and_funcs_give_the_same_output(lengths, seed, dtype):
+    offs = offsets_from(lengths, dtype)
+    nt = torch.tensor([L // 2 for L in lengths])
+    strided_offs = torch.stack([offs, torch.full_like(offs, -7)], 1)[:, 0]  # stride 2; the gaps hold garbage
+    strided_nt = torch.stack([nt, torch.full_like(nt, 99)], 1)[:, 0]
+    assert not strided_offs.is_contiguous() and not strided_nt.is_contiguous()
+    total, n = sum(lengths), max(max(lengths), 1)
+    func = torch.randint(-1, n + 2, (2, 5, total), generator=torch.Generator().manual_seed(seed), dtype=torch.int32)
+    strided_func = torch.empty(total, 5, 2, dtype=torch.int32).permute(2, 1, 0).copy_(func)
+    assert total < 2 or not strided_func.is_contiguous()
+    shared = masks.sla(offs, 2, 1)
+    q, k, v = make_batch(lengths, seed=seed)
+
+    def run(o, **kw):
+        return flexhstu.hstu_mha(n, None, q, k, v, o, kernel=Kernel.PYTORCH, **kw)
+
+    same = [
+        (run(offs, num_targets=nt, max_attn_len=2), run(strided_offs, num_targets=strided_nt, max_attn_len=2)),
+        (run(offs, attn_func=func), run(strided_offs, attn_func=strided_func)),
+        (run(offs, attn_func=shared.expand(2, 3, total).contiguous()), run(offs, attn_func=shared.expand(2, 3, total))),
+        (masks.fixed(offs, num_targets=nt), masks.fixed(strided_offs, num_targets=strided_nt)),
+    ]
+    for want, got in same:
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def run_with_grads(lengths, q, k, v, **kw):
