@@ -26,14 +26,14 @@ from ..jagged import (
 from .format import check_nfunc, pack_intervals, widen
 
 
-def _prepare(seq_offsets: torch.Tensor, total: int | None, check: bool = True) -> tuple[int, bool]:
+def _prepare(seq_offsets: torch.Tensor, total: int | None) -> tuple[int, bool]:
     """``(total, checked)``: the row count, and whether the offsets' values were read and checked."""
     check_offsets_meta(seq_offsets)
     if total is None:
         check_offsets_values(seq_offsets)
         return int(seq_offsets[-1]), True
     total = as_int("total", total)
-    checked = check and can_read_values(seq_offsets)
+    checked = can_read_values(seq_offsets)
     if checked:
         check_offsets_values(seq_offsets, total=total)
     return total, checked
@@ -82,7 +82,6 @@ def fixed(
     total: int | None = None,
     nfunc: int | None = None,
     nheads: int = 1,
-    _check: bool = True,
 ) -> torch.Tensor:
     """The HSTU valid-mask rule (causal, targets, contextual prefix, window) as intervals.
 
@@ -96,7 +95,7 @@ def fixed(
     w = as_int("max_attn_len", max_attn_len)
     c = as_int("contextual_seq_len", contextual_seq_len)
     fmin = as_int("min_full_attn_seq_len", min_full_attn_seq_len)
-    total, checked = _prepare(seq_offsets, total, _check)
+    total, checked = _prepare(seq_offsets, total)
     seq, i, length = row_coords(seq_offsets, total)
     has_t = num_targets is not None
     t = _targets_per_row(num_targets, seq_offsets, seq, checked)
@@ -138,7 +137,6 @@ def sla(
     total: int | None = None,
     nfunc: int | None = None,
     nheads: int = 1,
-    _check: bool = True,
 ) -> torch.Tensor:
     """Semi-local attention (ULTRA-HSTU): local causal window K1 plus global prefix K2.
 
@@ -154,7 +152,7 @@ def sla(
     k1 = as_int("sla_k1", sla_k1)
     k2 = as_int("sla_k2", sla_k2)
     c = as_int("contextual_seq_len", contextual_seq_len)
-    total, checked = _prepare(seq_offsets, total, _check)
+    total, checked = _prepare(seq_offsets, total)
     seq, i, length = row_coords(seq_offsets, total)
     hb = length - _targets_per_row(num_targets, seq_offsets, seq, checked)
     k2e = max(k2, c)
@@ -174,7 +172,6 @@ def onerank(
     total: int | None = None,
     nfunc: int | None = None,
     nheads: int = 1,
-    _check: bool = True,
 ) -> torch.Tensor:
     """OneRank: a prefix, then groups ``[e_C, t_1 .. t_K]`` of ``group_size = K + 1``.
 
@@ -191,7 +188,7 @@ def onerank(
     group_size = as_int("group_size", group_size, minimum=1)
     if num_targets is None:
         raise bad_value("num_targets", "a (B,) tensor of target counts", None)
-    total, checked = _prepare(seq_offsets, total, _check)
+    total, checked = _prepare(seq_offsets, total)
     seq, i, length = row_coords(seq_offsets, total)
     t = _targets_per_row(num_targets, seq_offsets, seq, checked)
     if checked:

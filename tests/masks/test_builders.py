@@ -190,3 +190,10 @@ def test_to_dense_rejects_a_max_seq_len_below_a_sequence_length():
     msg = r"max_seq_len: expected at least every sequence length \(sequence 1 has 7\), got 5"
     with pytest.raises(ValueError, match=msg):
         masks.to_dense(masks.causal(offs), offs, 5)
+
+
+@pytest.mark.parametrize("name", ["fixed", "sla", "onerank"])
+def test_value_checks_cannot_be_switched_off(name):
+    offs = torch.tensor([0, 5, 9])
+    with pytest.raises(TypeError, match="_check"):
+        BUILDERS[name](offs, total=8, _check=False)
