@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+import operator
+
+import torch
+
 
 def bad_value(arg: str, expected: str, got: object) -> ValueError:
     return ValueError(f"{arg}: expected {expected}, got {got}")
@@ -9,3 +15,34 @@ def bad_value(arg: str, expected: str, got: object) -> ValueError:
 
 def bad_type(arg: str, expected: str, got: object) -> TypeError:
     return TypeError(f"{arg}: expected {expected}, got {got}")
+
+
+def as_int(arg: str, value: object, minimum: int = 0) -> int:
+    """``value`` as a Python int ``>= minimum``.
+
+    Accepts anything ``operator.index`` takes (int, numpy integers) except bool
+    and tensors: a tensor would need a device read, so the caller says ``int(t)``.
+    Symbolic ints (under torch.compile) pass through unchanged.
+    """
+    expected = "a non-negative int" if minimum == 0 else f"an int >= {minimum}"
+    if isinstance(value, torch.SymInt):
+        return value
+    if isinstance(value, (bool, torch.Tensor)):
+        raise bad_type(arg, f"{expected} (not a {type(value).__name__})", value)
+    try:
+        out = operator.index(value)
+    except TypeError:
+        raise bad_type(arg, expected, type(value).__name__) from None
+    if out < minimum:
+        raise bad_value(arg, expected, out)
+    return out
+
+
+def as_finite(arg: str, value: object) -> float:
+    """``value`` (a real number, not bool or tensor) as a finite Python float."""
+    if isinstance(value, (bool, torch.Tensor)) or not isinstance(value, numbers.Real):
+        raise bad_type(arg, "a real number", type(value).__name__)
+    out = float(value)
+    if not math.isfinite(out):
+        raise bad_value(arg, "a finite number", out)
+    return out

@@ -52,6 +52,45 @@ def check_offsets_values(seq_offsets: torch.Tensor, arg: str = "seq_offsets", to
         raise bad_value(f"{arg}[-1]", f"the number of rows of the data ({total})", int(offs[-1]))
 
 
+def can_read_values(x: torch.Tensor) -> bool:
+    """Whether value checks may read ``x``: CPU tensors outside torch.compile (no sync, no graph break)."""
+    return x.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def lengths_of(seq_offsets: torch.Tensor) -> torch.Tensor:
+    """int64 ``(B,)`` sequence lengths (sync-free)."""
+    offs = seq_offsets.to(torch.int64)
+    return offs[1:] - offs[:-1]
+
+
+def check_lengths_at_most(seq_offsets: torch.Tensor, n: int, arg: str = "max_seq_len") -> None:
+    """Raise unless every sequence length is ``<= n`` (reads the tensor)."""
+    lengths = lengths_of(seq_offsets).cpu()
+    if lengths.numel() and int(lengths.max()) > n:
+        b = int(torch.argmax(lengths))
+        raise bad_value(arg, f"at least every sequence length (sequence {b} has {int(lengths[b])})", n)
+
+
+def check_num_targets_meta(num_targets: object, batch: int, arg: str = "num_targets") -> None:
+    """``num_targets`` is an integer ``(B,)`` tensor (never reads device memory)."""
+    if not isinstance(num_targets, torch.Tensor):
+        raise bad_type(arg, f"a ({batch},) integer tensor", type(num_targets).__name__)
+    if num_targets.dtype.is_floating_point or num_targets.dtype.is_complex or num_targets.dtype == torch.bool:
+        raise bad_type(arg, "an integer tensor (target counts)", num_targets.dtype)
+    if num_targets.dim() != 1 or num_targets.numel() != batch:
+        raise bad_value(arg, f"a ({batch},) tensor", f"shape {tuple(num_targets.shape)}")
+
+
+def check_num_targets_values(num_targets: torch.Tensor, seq_offsets: torch.Tensor, arg: str = "num_targets") -> None:
+    """``0 <= num_targets[b] <= L_b`` for every sequence (reads both tensors)."""
+    nt = num_targets.detach().to("cpu", torch.int64)
+    lengths = lengths_of(seq_offsets).cpu()
+    bad = (nt < 0) | (nt > lengths)
+    if bool(bad.any()):
+        b = int(torch.nonzero(bad)[0, 0])
+        raise bad_value(f"{arg}[{b}]", f"0 <= T <= the sequence length {int(lengths[b])}", int(nt[b]))
+
+
 def row_coords(seq_offsets: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For each jagged row ``t``: (sequence id, local position, sequence length), int64 ``(total,)`` each.
 

@@ -1,6 +1,6 @@
 """Shared test helpers: jagged batches and independent, element-by-element mask rules.
 
-The rules here are written from DESIGN.md section 3 one (query, key) pair at a
+The rules here are written from docs/design.md, section 3, one (query, key) pair at a
 time, with no code shared with flexhstu.masks, so a builder is checked against
 an independent reading of the specification.
 """

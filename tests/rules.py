@@ -1,4 +1,4 @@
-"""Independent per-pair readings of the mask rules (DESIGN.md section 3), for tests."""
+"""Independent per-pair readings of the mask rules (docs/design.md, section 3), for tests."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def onerank_visible(i, j, L, T, G):
     if i < hb:
         return j <= i
     g = hb + ((i - hb) // G) * G
-    return j < hb or j == g or j == i
+    return j < hb or j in (g, i)
 
 
 def dense_from_rule(lengths, n, rule):

@@ -1,74 +1,73 @@
 """Builders: pure functions of offsets and a few integers -> func ``(1, NFUNC, total)``.
 
 Each returns its rule's minimal width (fixed by the parameters, never by the
-data, so building needs no device-to-host read when ``total`` is given);
-``nfunc=`` widens with empty intervals, ``nheads=H`` returns a stride-0
-``expand`` view. Rules: DESIGN.md section 3.
+data); ``nfunc=`` widens with empty intervals, ``nheads=H`` returns a stride-0
+``expand`` view. Rules: docs/design.md, section 3.
+
+Offsets and ``num_targets`` are checked on every path that can afford it: with
+``total=None`` the builder reads the offsets anyway (a sync on CUDA), so it checks
+them fully; with ``total`` given, CPU tensors are checked (cheap) and CUDA tensors
+are not (no sync: call ``masks.validate`` once when building on the GPU).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .._errors import bad_type, bad_value
-from ..jagged import check_offsets_meta, check_offsets_values, row_coords
+from .._errors import as_int, bad_value
+from ..jagged import (
+    can_read_values,
+    check_num_targets_meta,
+    check_num_targets_values,
+    check_offsets_meta,
+    check_offsets_values,
+    row_coords,
+)
 from .format import check_nfunc, pack_intervals, widen
 
 
-def _prepare(seq_offsets: torch.Tensor, total: int | None, check: bool) -> int:
+def _prepare(seq_offsets: torch.Tensor, total: int | None) -> tuple[int, bool]:
+    """``(total, checked)``: the row count, and whether the offsets' values were read and checked."""
     check_offsets_meta(seq_offsets)
     if total is None:
-        total = int(seq_offsets[-1])
-    elif check:
+        check_offsets_values(seq_offsets)
+        return int(seq_offsets[-1]), True
+    total = as_int("total", total)
+    checked = can_read_values(seq_offsets)
+    if checked:
         check_offsets_values(seq_offsets, total=total)
-    return int(total)
+    return total, checked
 
 
-def _nonneg(name: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise bad_type(name, "a non-negative int", type(value).__name__)
-    if value < 0:
-        raise bad_value(name, "a non-negative int", value)
-    return value
-
-
-def _targets_per_row(num_targets: torch.Tensor | None, seq_offsets: torch.Tensor, seq: torch.Tensor, check: bool) -> torch.Tensor:
-    """Per-row T (0 without targets), after checking 0 <= T <= L when allowed to sync."""
+def _targets_per_row(
+    num_targets: torch.Tensor | None, seq_offsets: torch.Tensor, seq: torch.Tensor, check: bool
+) -> torch.Tensor:
+    """Per-row T (0 without targets), after checking ``0 <= T <= L`` when ``check``."""
     if num_targets is None:
         return torch.zeros_like(seq)
-    if not isinstance(num_targets, torch.Tensor):
-        raise bad_type("num_targets", "a (B,) integer tensor", type(num_targets).__name__)
-    nb = seq_offsets.numel() - 1
-    if num_targets.dim() != 1 or num_targets.numel() != nb:
-        raise bad_value("num_targets", f"shape ({nb},)", f"shape {tuple(num_targets.shape)}")
-    if num_targets.dtype.is_floating_point or num_targets.dtype == torch.bool:
-        raise bad_type("num_targets", "an integer tensor", num_targets.dtype)
-    nt = num_targets.to(device=seq.device, dtype=torch.int64)
+    check_num_targets_meta(num_targets, seq_offsets.numel() - 1)
     if check:
-        offs = seq_offsets.to(torch.int64)
-        lengths = offs[1:] - offs[:-1]
-        bad = (nt < 0) | (nt > lengths.to(nt.device))
-        if bool(bad.any()):
-            b = int(torch.nonzero(bad)[0, 0])
-            raise bad_value(f"num_targets[{b}]", f"0 <= T <= the sequence length {int(lengths[b])}", int(nt[b]))
+        check_num_targets_values(num_targets, seq_offsets)
+    nt = num_targets.to(device=seq.device, dtype=torch.int64)
     return nt[seq] if seq.numel() else torch.zeros_like(seq)
 
 
 def _finish(func2d: torch.Tensor, nfunc_min: int, nfunc: int | None, nheads: int) -> torch.Tensor:
+    nheads = as_int("nheads", nheads, minimum=1)
     out = func2d[None]
     if nfunc is not None:
         check_nfunc(nfunc)
         if nfunc < nfunc_min:
             raise bad_value("nfunc", f"at least this rule's width {nfunc_min}", nfunc)
         out = widen(out, nfunc)
-    if isinstance(nheads, bool) or not isinstance(nheads, int) or nheads < 1:
-        raise bad_value("nheads", "an int >= 1", nheads)
     return out.expand(nheads, out.shape[1], out.shape[2]) if nheads > 1 else out
 
 
-def causal(seq_offsets: torch.Tensor, *, total: int | None = None, nfunc: int | None = None, nheads: int = 1) -> torch.Tensor:
+def causal(
+    seq_offsets: torch.Tensor, *, total: int | None = None, nfunc: int | None = None, nheads: int = 1
+) -> torch.Tensor:
     """Causal mask: row ``i`` sees ``[0, i + 1)``. Width 1."""
-    total = _prepare(seq_offsets, total, check=False)
+    total, _ = _prepare(seq_offsets, total)
     _, i, _ = row_coords(seq_offsets, total)
     return _finish((i + 1).to(torch.int32)[None], 1, nfunc, nheads)
 
@@ -83,7 +82,6 @@ def fixed(
     total: int | None = None,
     nfunc: int | None = None,
     nheads: int = 1,
-    _check: bool = True,
 ) -> torch.Tensor:
     """The HSTU valid-mask rule (causal, targets, contextual prefix, window) as intervals.
 
@@ -94,13 +92,13 @@ def fixed(
     ``[0, first_ge(v))``; the row is ``{i} u A u C`` with ``A = [0 or s, p)``
     (history before it, cut to the window) and ``C`` the contextual prefix.
     """
-    w = _nonneg("max_attn_len", max_attn_len)
-    c = _nonneg("contextual_seq_len", contextual_seq_len)
-    fmin = _nonneg("min_full_attn_seq_len", min_full_attn_seq_len)
-    total = _prepare(seq_offsets, total, check=_check)
+    w = as_int("max_attn_len", max_attn_len)
+    c = as_int("contextual_seq_len", contextual_seq_len)
+    fmin = as_int("min_full_attn_seq_len", min_full_attn_seq_len)
+    total, checked = _prepare(seq_offsets, total)
     seq, i, length = row_coords(seq_offsets, total)
     has_t = num_targets is not None
-    t = _targets_per_row(num_targets, seq_offsets, seq, _check)
+    t = _targets_per_row(num_targets, seq_offsets, seq, checked)
     off = c - 1 if c > 0 else 0
     max_id = length - off - t
 
@@ -113,7 +111,8 @@ def fixed(
 
     def first_ge(v: torch.Tensor) -> torch.Tensor:
         mid = (v + off).clamp(0, None)
-        return torch.where(v <= id_first, torch.zeros_like(v), torch.where(v > id_last, length, torch.minimum(mid, length)))
+        above = torch.where(v > id_last, length, torch.minimum(mid, length))
+        return torch.where(v <= id_first, torch.zeros_like(v), above)
 
     cur = ids(i)
     p = first_ge(cur)
@@ -122,10 +121,7 @@ def fixed(
         a_lo = torch.where(full, torch.zeros_like(p), first_ge(cur - w))
     else:
         a_lo = torch.zeros_like(p)
-    if c > 0:
-        ctx_end = torch.where(cur == 0, first_ge(max_id), torch.zeros_like(p))
-    else:
-        ctx_end = torch.zeros_like(p)
+    ctx_end = torch.where(cur == 0, first_ge(max_id), torch.zeros_like(p)) if c > 0 else torch.zeros_like(p)
     width = 1 if (not has_t and c == 0 and w == 0) else (5 if (has_t and w > 0) else 3)
     func = pack_intervals(ctx_end, [(a_lo, p), (i, i + 1)], width)
     return _finish(func, width, nfunc, nheads)
@@ -141,7 +137,6 @@ def sla(
     total: int | None = None,
     nfunc: int | None = None,
     nheads: int = 1,
-    _check: bool = True,
 ) -> torch.Tensor:
     """Semi-local attention (ULTRA-HSTU): local causal window K1 plus global prefix K2.
 
@@ -154,12 +149,12 @@ def sla(
 
     Width 3.
     """
-    k1 = _nonneg("sla_k1", sla_k1)
-    k2 = _nonneg("sla_k2", sla_k2)
-    c = _nonneg("contextual_seq_len", contextual_seq_len)
-    total = _prepare(seq_offsets, total, check=_check)
+    k1 = as_int("sla_k1", sla_k1)
+    k2 = as_int("sla_k2", sla_k2)
+    c = as_int("contextual_seq_len", contextual_seq_len)
+    total, checked = _prepare(seq_offsets, total)
     seq, i, length = row_coords(seq_offsets, total)
-    hb = length - _targets_per_row(num_targets, seq_offsets, seq, _check)
+    hb = length - _targets_per_row(num_targets, seq_offsets, seq, checked)
     k2e = max(k2, c)
     hist = i < hb
     zero = torch.zeros_like(i)
@@ -177,7 +172,6 @@ def onerank(
     total: int | None = None,
     nfunc: int | None = None,
     nheads: int = 1,
-    _check: bool = True,
 ) -> torch.Tensor:
     """OneRank: a prefix, then groups ``[e_C, t_1 .. t_K]`` of ``group_size = K + 1``.
 
@@ -191,14 +185,13 @@ def onerank(
     (3 when ``group_size == 1``). ``num_targets`` must be a multiple of
     ``group_size`` in every sequence.
     """
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise bad_value("group_size", "an int >= 1 (K + 1)", group_size)
+    group_size = as_int("group_size", group_size, minimum=1)
     if num_targets is None:
         raise bad_value("num_targets", "a (B,) tensor of target counts", None)
-    total = _prepare(seq_offsets, total, check=_check)
+    total, checked = _prepare(seq_offsets, total)
     seq, i, length = row_coords(seq_offsets, total)
-    t = _targets_per_row(num_targets, seq_offsets, seq, _check)
-    if _check:
+    t = _targets_per_row(num_targets, seq_offsets, seq, checked)
+    if checked:
         nt = num_targets.to(torch.int64)
         bad = nt % group_size != 0
         if bool(bad.any()):

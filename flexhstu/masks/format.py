@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from .._errors import bad_type, bad_value
-from ..jagged import check_offsets_meta, check_offsets_values, row_coords
+from .._errors import as_int, bad_type, bad_value
+from ..jagged import can_read_values, check_lengths_at_most, check_offsets_meta, check_offsets_values, row_coords
 
 HSTU_ARBITRARY_NFUNC = 5
 """The interchange width of the fbgemm HSTU wheels (three intervals)."""
@@ -85,7 +85,9 @@ def widen(func: torch.Tensor, nfunc: int) -> torch.Tensor:
     return out.expand(hf, nfunc, func.shape[2]) if base is not func else out
 
 
-def pack_intervals(prefix_end: torch.Tensor, pieces: list[tuple[torch.Tensor, torch.Tensor]], nfunc: int) -> torch.Tensor:
+def pack_intervals(
+    prefix_end: torch.Tensor, pieces: list[tuple[torch.Tensor, torch.Tensor]], nfunc: int
+) -> torch.Tensor:
     """Pack per-row interval unions into a ``(NFUNC, rows)`` func.
 
     ``prefix_end``: end of the interval starting at 0 (0 when none); ``pieces``:
@@ -124,11 +126,17 @@ def to_dense(func: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int) ->
     """Decode ``func`` to a bool mask ``(B, Hf, N, N)``, ``N = max_seq_len``.
 
     ``[b, h, i, c]`` is True iff query ``i`` of sequence ``b`` sees key ``c``;
-    padding rows and columns (``>= L_b``) are False.
+    padding rows and columns (``>= L_b``) are False. For CPU offsets, a sequence
+    longer than ``max_seq_len`` (or offsets that do not match ``func``) raise
+    ValueError; CUDA offsets are not read (no sync), and there a longer
+    sequence is cut to its first ``N`` rows and columns.
     """
     check_offsets_meta(seq_offsets)
     check_func_meta(func)
-    n = int(max_seq_len)
+    n = as_int("max_seq_len", max_seq_len)
+    if can_read_values(seq_offsets):
+        check_offsets_values(seq_offsets, total=func.shape[2])
+        check_lengths_at_most(seq_offsets, n)
     offs = seq_offsets.to(torch.int64)
     bsz = offs.numel() - 1
     total = func.shape[2]

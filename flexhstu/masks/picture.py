@@ -11,7 +11,10 @@ PADDING = (255, 255, 255)
 INK = (20, 20, 20)
 
 
-def render(func: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int, path: str, *, head: int = 0, cell: int = 0, title: str = "") -> str:
+def render(
+    func: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int, path: str, *, head: int = 0, cell: int = 0,
+    title: str = "",
+) -> str:
     """Draw ``func`` (head ``head``) for every sequence into a PNG at ``path``; returns the path.
 
     Colours: visible pairs dark blue, hidden pairs light grey, padding (past

@@ -1,12 +1,24 @@
 """Dense forms of the rules, elementwise as the HSTU reference implementations write them.
 
 These define the semantics the interval builders compress; the PyTorch
-reference uses them when ``hstu_mha`` gets ``attn_func=None``.
+reference decodes with them when ``hstu_mha`` gets ``attn_func=None``.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+
+
+class FixedRule(NamedTuple):
+    """The fixed rule's parameters (docs/design.md, section 3), as ``hstu_mha`` takes them."""
+
+    causal: bool = True
+    num_targets: torch.Tensor | None = None
+    max_attn_len: int = 0
+    contextual_seq_len: int = 0
+    min_full_attn_seq_len: int = 0
 
 
 def dense_fixed(

@@ -1,21 +1,33 @@
-"""``hstu_mha``: input checks, mask selection and backend dispatch.
+"""``hstu_mha``: check the inputs, choose a backend, run it.
 
 Checks never read device memory of CUDA tensors (no host-device sync in the hot
-path): value checks on ``seq_offsets`` / ``num_targets`` run on CPU tensors
-outside torch.compile only; ``masks.validate`` does them for CUDA tensors when asked.
+path): value checks on ``seq_offsets`` / ``num_targets`` / ``max_seq_len`` run on
+CPU tensors outside torch.compile; under torch.compile the offsets and targets
+are asserted on the device instead; for CUDA tensors ``masks.validate`` checks
+the offsets when asked.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
+import numbers
+from typing import NamedTuple
 
 import torch
 
-from .._errors import bad_type, bad_value
-from ..jagged import check_offsets_meta, check_offsets_values, row_coords
-from ..masks.format import check_func_meta, to_dense
-from ..masks.rules import dense_fixed
+from .._errors import as_finite, as_int, bad_type, bad_value
+from ..jagged import (
+    can_read_values,
+    check_lengths_at_most,
+    check_num_targets_meta,
+    check_num_targets_values,
+    check_offsets_meta,
+    check_offsets_values,
+    lengths_of,
+    row_coords,
+)
+from ..masks.format import check_func_meta
+from ..masks.rules import FixedRule
+from .capability import triton_unsupported_reason
 from .cutlass import unavailable_reason
 from .kernel import Kernel
 from .pytorch import pytorch_hstu_mha
@@ -23,38 +35,23 @@ from .pytorch import pytorch_hstu_mha
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+class _Call(NamedTuple):
+    """One checked call: what every backend runs."""
 
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor):
-            raise bad_type(name, "a torch.Tensor", type(x).__name__)
-        if x.dim() != 3:
-            raise bad_value(name, "a 3-D jagged tensor (total, H, D)", f"shape {tuple(x.shape)}")
-        if x.dtype not in _FLOAT_DTYPES:
-            raise bad_type(name, "float16, bfloat16, float32 or float64", x.dtype)
-    for name, x in (("k", k), ("v", v)):
-        if x.shape[0] != q.shape[0]:
-            raise bad_value(f"{name}.shape[0]", f"the rows of q ({q.shape[0]})", x.shape[0])
-        if x.shape[1] != q.shape[1]:
-            raise bad_value(f"{name}.shape[1] (heads)", f"the heads of q ({q.shape[1]})", x.shape[1])
-        if x.dtype != q.dtype:
-            raise bad_type(f"{name}.dtype", f"the dtype of q ({q.dtype})", x.dtype)
-        if x.device != q.device:
-            raise bad_value(f"{name}.device", f"the device of q ({q.device})", x.device)
-    if k.shape[2] != q.shape[2]:
-        raise bad_value("k.shape[2] (Dqk)", f"the head dim of q ({q.shape[2]})", k.shape[2])
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    seq_offsets: torch.Tensor
+    mask: torch.Tensor | FixedRule  # the func, or the fixed rule's parameters
+    alpha: float
+    scaling: float  # divides every row
+    max_seq_len: int
+    dropout_pr: float  # the rate applied: 0.0 outside training
 
 
 def hstu_mha(
     max_seq_len: int,
-    alpha: float,
+    alpha: float | None,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -72,125 +69,178 @@ def hstu_mha(
 ) -> torch.Tensor:
     """HSTU attention over a jagged batch: ``O = (silu(alpha Q K^T) * M) V / scaling_seqlen``.
 
-    q, k: ``(total, H, Dqk)``; v: ``(total, H, Dv)``; seq_offsets: ``(B + 1,)``;
-    returns ``(total, H, Dv)``. ``attn_func`` (int32 ``(Hf, NFUNC, total)``,
-    ``Hf in {1, H}``) alone decides visibility when given; otherwise the fixed
-    rule (causal, targets, contextual prefix, window) applies. ``alpha=None``
-    means ``1/sqrt(Dqk)``; ``scaling_seqlen <= 0`` means ``max_seq_len``.
+    The math is docs/design.md, section 4; the layout section 1; the masks section 3.
+
+    - ``q, k``: ``(total, H, Dqk)``; ``v``: ``(total, H, Dv)``; one floating dtype
+      and device. Returns ``(total, H, Dv)`` in that dtype.
+    - ``seq_offsets``: ``(B + 1,)`` int32/int64, ``[0] == 0``, non-decreasing,
+      ``[-1] == total``.
+    - ``max_seq_len``: an upper bound on the lengths (any integer: int, numpy
+      integer). It is the default output scale and a tuning hint, never what
+      decides which keys are read: every backend gives the same answer for any
+      value. On CPU tensors (outside torch.compile) a value below the longest
+      sequence is a caller's bug and raises; on CUDA it is not checked (no sync).
+    - ``alpha``: finite score scale; ``None`` means ``1/sqrt(Dqk)``.
+    - ``attn_func``: int32 ``(Hf, NFUNC, total)``, ``Hf in {1, H}``; alone decides
+      visibility when given (leave ``causal``, ``num_targets``, ``max_attn_len``,
+      ``contextual_seq_len``, ``min_full_attn_seq_len`` at their defaults).
+      Otherwise the fixed rule applies with those arguments; ``num_targets`` is an
+      integer ``(B,)`` tensor with ``0 <= T <= L``.
+    - ``dropout_pr``: in ``[0, 1)``, applied to ``A`` when ``training``.
+    - ``scaling_seqlen``: finite; ``<= 0`` means ``max_seq_len`` (1 when that is 0).
+    - ``kernel``: ``Kernel.AUTO`` runs Triton on CUDA tensors it supports and the
+      PyTorch reference otherwise; an explicit backend that cannot run the call raises.
     """
+    rule = FixedRule(causal, num_targets, max_attn_len, contextual_seq_len, min_full_attn_seq_len)
+    call = _checked_call(
+        max_seq_len, alpha, q, k, v, seq_offsets, rule, attn_func, dropout_pr, training, scaling_seqlen
+    )
+    backend = _choose_backend(kernel, call)
+    return _BACKENDS[backend](call)
+
+
+def _checked_call(
+    max_seq_len, alpha, q, k, v, seq_offsets, rule, attn_func, dropout_pr, training, scaling_seqlen
+) -> _Call:
     _check_qkv(q, k, v)
     check_offsets_meta(seq_offsets)
-    if seq_offsets.device != q.device:
-        raise bad_value("seq_offsets.device", f"the device of q ({q.device})", seq_offsets.device)
-    if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 0:
-        raise bad_value("max_seq_len", "a non-negative int", max_seq_len)
-    if not (0.0 <= float(dropout_pr) < 1.0):
-        raise bad_value("dropout_pr", "a probability in [0, 1)", dropout_pr)
-    for name, val in (("max_attn_len", max_attn_len), ("contextual_seq_len", contextual_seq_len), ("min_full_attn_seq_len", min_full_attn_seq_len)):
-        if isinstance(val, bool) or not isinstance(val, int) or val < 0:
-            raise bad_value(name, "a non-negative int", val)
-    total, nheads, dqk = q.shape
-    if alpha is None:
-        alpha = dqk**-0.5
-    scaling = float(max_seq_len if scaling_seqlen is None or scaling_seqlen <= 0 else scaling_seqlen)
+    _check_same_device(q, seq_offsets=seq_offsets, num_targets=rule.num_targets, attn_func=attn_func)
+    max_seq_len = as_int("max_seq_len", max_seq_len)
+    rule = _checked_rule(rule, seq_offsets.numel() - 1)
+    if attn_func is not None:
+        _check_func_alone(attn_func, rule, q)
+    total = q.shape[0]
+    if can_read_values(seq_offsets):
+        _check_values_on_host(seq_offsets, total, max_seq_len, rule.num_targets)
+    elif torch.compiler.is_compiling():
+        _assert_values_on_device(seq_offsets, total, rule.num_targets)
+    alpha = q.shape[2] ** -0.5 if alpha is None else as_finite("alpha", alpha)
+    scaling = -1.0 if scaling_seqlen is None else as_finite("scaling_seqlen", scaling_seqlen)
     if scaling <= 0:
-        scaling = 1.0
-    if num_targets is not None:
-        if not isinstance(num_targets, torch.Tensor) or num_targets.dim() != 1 or num_targets.numel() != seq_offsets.numel() - 1:
-            raise bad_value("num_targets", f"a ({seq_offsets.numel() - 1},) tensor", getattr(num_targets, "shape", num_targets))
-        if num_targets.device != q.device:
-            raise bad_value("num_targets.device", f"the device of q ({q.device})", num_targets.device)
-    if attn_func is not None:
-        extra = [
-            name
-            for name, val, default in (
-                ("causal", causal, True),
-                ("num_targets", num_targets, None),
-                ("max_attn_len", max_attn_len, 0),
-                ("contextual_seq_len", contextual_seq_len, 0),
-                ("min_full_attn_seq_len", min_full_attn_seq_len, 0),
-            )
-            if (val is not default and val != default)
-        ]
-        if extra:
-            raise ValueError(
-                f"attn_func: the func alone decides visibility; leave {', '.join(extra)} at the default "
-                "(encode targets, windows and prefixes in the func with flexhstu.masks)"
-            )
-        check_func_meta(attn_func, total=total, nheads=nheads, arg="attn_func")
-        if attn_func.device != q.device:
-            raise bad_value("attn_func.device", f"the device of q ({q.device})", attn_func.device)
-    if not q.is_cuda and not torch.compiler.is_compiling():
-        _check_values_on_host(seq_offsets, total, max_seq_len, num_targets)
-
-    kernel = Kernel(kernel)
-    if kernel == Kernel.AUTO:
-        use_triton = (
-            q.is_cuda
-            and triton_available()
-            and q.dtype != torch.float64
-            and not (dropout_pr > 0.0 and training)
-        )
-        kernel = Kernel.TRITON if use_triton else Kernel.PYTORCH
-    if kernel == Kernel.CUTLASS:
-        raise RuntimeError(unavailable_reason())
-    if kernel == Kernel.TRITON:
-        return _run_triton(
-            max_seq_len, alpha, q, k, v, seq_offsets, causal, dropout_pr, training, num_targets,
-            max_attn_len, contextual_seq_len, min_full_attn_seq_len, attn_func, scaling,
-        )
-    if attn_func is not None:
-        mask = to_dense(attn_func, seq_offsets, max_seq_len)
-    else:
-        mask = dense_fixed(
-            seq_offsets, max_seq_len, causal=causal, num_targets=num_targets, max_attn_len=max_attn_len,
-            contextual_seq_len=contextual_seq_len, min_full_attn_seq_len=min_full_attn_seq_len,
-        )
-    return pytorch_hstu_mha(max_seq_len, alpha, q, k, v, seq_offsets, mask, scaling, dropout_pr, training)
+        scaling = float(max_seq_len) or 1.0
+    rate = _probability(dropout_pr) if training else 0.0
+    mask = attn_func if attn_func is not None else rule
+    return _Call(q, k, v, seq_offsets, mask, alpha, scaling, max_seq_len, rate)
 
 
-def _check_values_on_host(seq_offsets: torch.Tensor, total: int, max_seq_len: int, num_targets: torch.Tensor | None) -> None:
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise bad_type(name, "a torch.Tensor", type(x).__name__)
+        if x.dim() != 3:
+            raise bad_value(name, "a 3-D jagged tensor (total, H, D)", f"shape {tuple(x.shape)}")
+        if x.dtype not in _FLOAT_DTYPES:
+            raise bad_type(name, "float16, bfloat16, float32 or float64", x.dtype)
+    for name, x in (("k", k), ("v", v)):
+        if x.shape[0] != q.shape[0]:
+            raise bad_value(f"{name}.shape[0]", f"the rows of q ({q.shape[0]})", x.shape[0])
+        if x.shape[1] != q.shape[1]:
+            raise bad_value(f"{name}.shape[1] (heads)", f"the heads of q ({q.shape[1]})", x.shape[1])
+        if x.dtype != q.dtype:
+            raise bad_type(f"{name}.dtype", f"the dtype of q ({q.dtype})", x.dtype)
+    if k.shape[2] != q.shape[2]:
+        raise bad_value("k.shape[2] (Dqk)", f"the head dim of q ({q.shape[2]})", k.shape[2])
+
+
+def _check_same_device(q: torch.Tensor, **tensors: torch.Tensor | None) -> None:
+    for name, x in tensors.items():
+        if isinstance(x, torch.Tensor) and x.device != q.device:
+            raise bad_value(f"{name}.device", f"the device of q ({q.device})", x.device)
+
+
+def _checked_rule(rule: FixedRule, batch: int) -> FixedRule:
+    if rule.num_targets is not None:
+        check_num_targets_meta(rule.num_targets, batch)
+    ints = {name: as_int(name, getattr(rule, name)) for name in FixedRule._fields[2:]}
+    return rule._replace(**ints)
+
+
+def _check_func_alone(attn_func: torch.Tensor, rule: FixedRule, q: torch.Tensor) -> None:
+    defaults = FixedRule()
+    extra = [name for name, val, default in zip(rule._fields, rule, defaults) if val is not default and val != default]
+    if extra:
+        raise ValueError(
+            f"attn_func: the func alone decides visibility; leave {', '.join(extra)} at the default "
+            "(encode targets, windows and prefixes in the func with flexhstu.masks)"
+        )
+    check_func_meta(attn_func, total=q.shape[0], nheads=q.shape[1], arg="attn_func")
+
+
+def _probability(dropout_pr: object) -> float:
+    if isinstance(dropout_pr, (bool, torch.Tensor)) or not isinstance(dropout_pr, numbers.Real):
+        raise bad_type("dropout_pr", "a probability in [0, 1)", type(dropout_pr).__name__)
+    p = float(dropout_pr)
+    if not 0.0 <= p < 1.0:  # also rejects NaN
+        raise bad_value("dropout_pr", "a probability in [0, 1)", dropout_pr)
+    return p
+
+
+def _check_values_on_host(seq_offsets, total: int, max_seq_len: int, num_targets: torch.Tensor | None) -> None:
     check_offsets_values(seq_offsets, total=total)
+    check_lengths_at_most(seq_offsets, max_seq_len)
+    if num_targets is not None:
+        check_num_targets_values(num_targets, seq_offsets)
+
+
+def _assert_values_on_device(seq_offsets, total: int, num_targets: torch.Tensor | None) -> None:
+    """The host checks as device-side assertions: no sync and no graph break under torch.compile."""
     offs = seq_offsets.to(torch.int64)
-    lengths = offs[1:] - offs[:-1]
-    if lengths.numel() and int(lengths.max()) > max_seq_len:
-        b = int(torch.argmax(lengths))
-        raise bad_value("max_seq_len", f"at least every sequence length (sequence {b} has {int(lengths[b])})", max_seq_len)
+    lengths = lengths_of(offs)
+    torch._assert_async(offs[0] == 0, "seq_offsets[0]: expected 0 (asserted under torch.compile)")
+    torch._assert_async(
+        (lengths >= 0).all(), "seq_offsets: expected non-decreasing offsets (asserted under torch.compile)"
+    )
+    torch._assert_async(
+        offs[-1] == total,
+        "seq_offsets[-1]: expected the number of rows of the data, q.shape[0] (asserted under torch.compile)",
+    )
     if num_targets is not None:
         nt = num_targets.to(torch.int64)
-        bad = (nt < 0) | (nt > lengths)
-        if bool(bad.any()):
-            b = int(torch.nonzero(bad)[0, 0])
-            raise bad_value(f"num_targets[{b}]", f"0 <= T <= the sequence length {int(lengths[b])}", int(nt[b]))
+        torch._assert_async(
+            ((nt >= 0) & (nt <= lengths)).all(),
+            "num_targets: expected 0 <= T <= the sequence length (asserted under torch.compile)",
+        )
 
 
-def _run_triton(max_seq_len, alpha, q, k, v, seq_offsets, causal, dropout_pr, training, num_targets,
-                max_attn_len, contextual_seq_len, min_full_attn_seq_len, attn_func, scaling):
-    if not triton_available():
-        raise RuntimeError("Kernel.TRITON needs triton (pip install 'flexhstu[gpu]'), which is not installed")
-    if not q.is_cuda and not _interpreting():
-        raise RuntimeError("Kernel.TRITON runs on CUDA tensors (or on the CPU under TRITON_INTERPRET=1); got q on " + str(q.device))
-    if dropout_pr > 0.0 and training:
-        raise ValueError(f"dropout_pr: Kernel.TRITON has no dropout; expected 0.0 (or training=False), got {dropout_pr}")
-    if q.dtype == torch.float64:
-        raise TypeError("q: Kernel.TRITON supports float16, bfloat16 and float32; got torch.float64 (use Kernel.PYTORCH)")
+def _choose_backend(kernel: Kernel | str, call: _Call) -> Kernel:
+    try:
+        kernel = Kernel(kernel)
+    except ValueError:
+        raise bad_value("kernel", f"one of {[k.value for k in Kernel]}", repr(kernel)) from None
+    if kernel == Kernel.AUTO:
+        reason = triton_unsupported_reason(call.q, call.v, call.mask, call.dropout_pr)
+        return Kernel.TRITON if call.q.is_cuda and reason is None else Kernel.PYTORCH
+    if kernel == Kernel.TRITON:
+        reason = triton_unsupported_reason(call.q, call.v, call.mask, call.dropout_pr)
+        if reason is not None:
+            raise ValueError(f"{reason}; Kernel.PYTORCH runs every input")
+    if kernel == Kernel.CUTLASS:
+        raise RuntimeError(unavailable_reason())
+    return kernel
+
+
+def _run_pytorch(c: _Call) -> torch.Tensor:
+    return pytorch_hstu_mha(
+        c.q, c.k, c.v, c.seq_offsets, c.mask, alpha=c.alpha, scaling_seqlen=c.scaling, max_seq_len=c.max_seq_len,
+        dropout_pr=c.dropout_pr,
+    )
+
+
+def _run_triton(c: _Call) -> torch.Tensor:
     from .triton import triton_hstu_mha
 
-    if attn_func is not None:
-        return triton_hstu_mha(q, k, v, seq_offsets, func=attn_func, alpha=float(alpha), out_scale=1.0 / scaling,
-                               max_seq_len=max_seq_len)
-    plain = num_targets is None and max_attn_len == 0 and contextual_seq_len == 0
-    if not causal:
-        if not plain:
-            raise ValueError(
-                "causal=False with num_targets/max_attn_len/contextual_seq_len is not supported by Kernel.TRITON; "
-                "build the mask with flexhstu.masks (or masks.from_dense) and pass attn_func"
-            )
-        _, _, length = row_coords(seq_offsets, q.shape[0])  # every row sees its whole sequence
-        return triton_hstu_mha(q, k, v, seq_offsets, func=length.to(torch.int32)[None, None], alpha=float(alpha),
-                               out_scale=1.0 / scaling, max_seq_len=max_seq_len)
+    common = dict(alpha=c.alpha, out_scale=1.0 / c.scaling, max_seq_len=c.max_seq_len)
+    if isinstance(c.mask, torch.Tensor):
+        return triton_hstu_mha(c.q, c.k, c.v, c.seq_offsets, func=c.mask, **common)
+    rule = c.mask
+    if not rule.causal:  # plain by the capability check: every row sees its whole sequence
+        _, _, length = row_coords(c.seq_offsets, c.q.shape[0])
+        return triton_hstu_mha(c.q, c.k, c.v, c.seq_offsets, func=length.to(torch.int32)[None, None], **common)
+    plain = rule.num_targets is None and rule.max_attn_len == 0 and rule.contextual_seq_len == 0
     return triton_hstu_mha(
-        q, k, v, seq_offsets, num_targets=num_targets, causal_closed_form=plain, contextual=contextual_seq_len,
-        window=max_attn_len, min_full=min_full_attn_seq_len, alpha=float(alpha), out_scale=1.0 / scaling,
-        max_seq_len=max_seq_len,
+        c.q, c.k, c.v, c.seq_offsets, num_targets=rule.num_targets, causal_closed_form=plain,
+        contextual=rule.contextual_seq_len, window=rule.max_attn_len, min_full=rule.min_full_attn_seq_len, **common,
     )
+
+
+_BACKENDS = {Kernel.PYTORCH: _run_pytorch, Kernel.TRITON: _run_triton}

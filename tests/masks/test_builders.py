@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from rules import dense_from_rule, fixed_visible, offsets_from, onerank_visible, sla_visible
 
 from flexhstu import masks
-from rules import dense_from_rule, fixed_visible, offsets_from, onerank_visible, sla_visible
 
 lengths_st = st.lists(st.integers(0, 13), min_size=1, max_size=4)
 offset_dtype_st = st.sampled_from([torch.int32, torch.int64])
@@ -42,7 +44,8 @@ def test_fixed_matches_the_reference_rule(data, lengths, dtype, use_targets, c, 
         lengths, n, lambda b, i, j, L: fixed_visible(i, j, L, targets[b] if use_targets else 0, c, w, f, use_targets)
     )
     assert torch.equal(masks.to_dense(func, offs, n), want)
-    assert torch.equal(masks.dense_fixed(offs, n, num_targets=nt, max_attn_len=w, contextual_seq_len=c, min_full_attn_seq_len=f), want)
+    dense = masks.dense_fixed(offs, n, num_targets=nt, max_attn_len=w, contextual_seq_len=c, min_full_attn_seq_len=f)
+    assert torch.equal(dense, want)
 
 
 def test_fixed_width_is_minimal_per_rule():
@@ -63,7 +66,10 @@ def test_target_row_under_slid_window_needs_three_intervals():
     assert row7.tolist() == [False, False, False, False, True, True, False, True]
 
 
-@given(data=st.data(), lengths=lengths_st, dtype=offset_dtype_st, k1=st.integers(0, 6), k2=st.integers(0, 5), c=st.integers(0, 4), use_targets=st.booleans())
+@given(
+    data=st.data(), lengths=lengths_st, dtype=offset_dtype_st, k1=st.integers(0, 6), k2=st.integers(0, 5),
+    c=st.integers(0, 4), use_targets=st.booleans(),
+)
 def test_sla_matches_the_seed_rule(data, lengths, dtype, k1, k2, c, use_targets):
     offs = offsets_from(lengths, dtype)
     n = max(lengths)
@@ -82,7 +88,10 @@ def test_sla_with_full_window_and_no_prefix_is_causal(lengths):
     assert torch.equal(masks.to_dense(masks.sla(offs, n, 0), offs, n), masks.to_dense(masks.causal(offs), offs, n))
 
 
-@given(data=st.data(), hist=st.lists(st.integers(0, 6), min_size=1, max_size=3), group=st.integers(1, 4), dtype=offset_dtype_st)
+@given(
+    data=st.data(), hist=st.lists(st.integers(0, 6), min_size=1, max_size=3), group=st.integers(1, 4),
+    dtype=offset_dtype_st,
+)
 def test_onerank_matches_the_rule(data, hist, group, dtype):
     ncand = [data.draw(st.integers(0, 3)) for _ in hist]
     targets = [m * group for m in ncand]
@@ -132,3 +141,59 @@ def test_zero_length_batch_builds_empty_funcs():
     offs = offsets_from([0, 0])
     assert masks.causal(offs).shape == (1, 1, 0)
     assert masks.onerank(offs, torch.tensor([0, 0]), 3).shape == (1, 5, 0)
+
+
+BUILDERS = {
+    "causal": lambda offs, **kw: masks.causal(offs, **kw),
+    "fixed": lambda offs, **kw: masks.fixed(offs, max_attn_len=2, **kw),
+    "sla": lambda offs, **kw: masks.sla(offs, 3, 1, **kw),
+    "onerank": lambda offs, **kw: masks.onerank(offs, torch.zeros(offs.numel() - 1, dtype=torch.int64), 2, **kw),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+@pytest.mark.parametrize(
+    "offs,total,msg",
+    [
+        ([3, 12, 21], None, r"seq_offsets\[0\]: expected 0, got 3"),
+        ([0, 12, 5], None, r"seq_offsets: expected non-decreasing offsets, got seq_offsets\[2\] = 5 < "),
+        ([3, 12, 21], 21, r"seq_offsets\[0\]: expected 0, got 3"),
+        ([0, 5, 9], 8, r"seq_offsets\[-1\]: expected the number of rows of the data \(8\), got 9"),
+    ],
+)
+def test_builders_check_the_offsets_with_and_without_total(name, offs, total, msg):
+    with pytest.raises(ValueError, match=msg):
+        BUILDERS[name](torch.tensor(offs), total=total)
+
+
+@pytest.mark.parametrize("name", ["fixed", "sla"])
+def test_builders_given_total_still_check_cpu_targets(name):
+    offs = offsets_from([5, 4])
+    build = {"fixed": masks.fixed, "sla": lambda o, **kw: masks.sla(o, 2, 1, **kw)}[name]
+    with pytest.raises(ValueError, match=r"num_targets\[1\]: expected 0 <= T <= the sequence length 4, got 5"):
+        build(offs, num_targets=torch.tensor([1, 5]), total=9)
+
+
+def test_builders_reject_float_targets():
+    with pytest.raises(TypeError, match=r"num_targets: expected an integer tensor .*, got torch.float32"):
+        masks.fixed(offsets_from([5, 4]), num_targets=torch.tensor([1.0, 2.0]))
+
+
+def test_builder_parameters_accept_numpy_integers():
+    offs = offsets_from([6, 3])
+    want = masks.sla(offs, 3, 1, nheads=2)
+    assert torch.equal(masks.sla(offs, np.int64(3), np.int32(1), total=np.int64(9), nheads=np.int64(2)), want)
+
+
+def test_to_dense_rejects_a_max_seq_len_below_a_sequence_length():
+    offs = offsets_from([3, 7])
+    msg = r"max_seq_len: expected at least every sequence length \(sequence 1 has 7\), got 5"
+    with pytest.raises(ValueError, match=msg):
+        masks.to_dense(masks.causal(offs), offs, 5)
+
+
+@pytest.mark.parametrize("name", ["fixed", "sla", "onerank"])
+def test_value_checks_cannot_be_switched_off(name):
+    offs = torch.tensor([0, 5, 9])
+    with pytest.raises(TypeError, match="_check"):
+        BUILDERS[name](offs, total=8, _check=False)

@@ -6,10 +6,10 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from rules import offsets_from
 
 import flexhstu
 from flexhstu import masks
-from rules import offsets_from
 
 
 def random_func(lengths, nfunc, hf=1, seed=0):
@@ -26,7 +26,10 @@ def test_interchange_width_is_five():
         masks.num_intervals(4)
 
 
-@given(lengths=st.lists(st.integers(0, 9), min_size=1, max_size=4), seed=st.integers(0, 1000), extra=st.sampled_from([2, 4]))
+@given(
+    lengths=st.lists(st.integers(0, 9), min_size=1, max_size=4), seed=st.integers(0, 1000),
+    extra=st.sampled_from([2, 4]),
+)
 def test_widened_masks_decode_identically_and_padding_is_empty(lengths, seed, extra):
     offs = offsets_from(lengths)
     n = max(max(lengths), 1)
@@ -69,7 +72,10 @@ def test_decode_reads_every_interval_of_a_five_wide_func():
     assert all(vis[r, r] for r in range(7, L))
 
 
-@given(lengths=st.lists(st.integers(0, 9), min_size=1, max_size=4), seed=st.integers(0, 1000), hf=st.sampled_from([1, 3]), nfunc=st.sampled_from([1, 3, 5, 7]))
+@given(
+    lengths=st.lists(st.integers(0, 9), min_size=1, max_size=4), seed=st.integers(0, 1000), hf=st.sampled_from([1, 3]),
+    nfunc=st.sampled_from([1, 3, 5, 7]),
+)
 def test_from_dense_round_trips(lengths, seed, hf, nfunc):
     offs = offsets_from(lengths)
     n = max(max(lengths), 1)
@@ -133,7 +139,10 @@ def test_builders_reject_bad_parameters():
         masks.causal(offs, nfunc=4)
 
 
-@given(lengths=st.lists(st.integers(0, 9), min_size=1, max_size=4), seed=st.integers(0, 1000), hf=st.sampled_from([1, 2]), nfunc=st.sampled_from([1, 3, 5, 7]))
+@given(
+    lengths=st.lists(st.integers(0, 9), min_size=1, max_size=4), seed=st.integers(0, 1000), hf=st.sampled_from([1, 2]),
+    nfunc=st.sampled_from([1, 3, 5, 7]),
+)
 def test_count_visible_equals_the_dense_count(lengths, seed, hf, nfunc):
     offs = offsets_from(lengths)
     func = random_func(lengths, nfunc, hf, seed)

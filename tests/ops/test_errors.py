@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from rules import offsets_from
 
 import flexhstu
 from flexhstu import Kernel, masks
-from rules import offsets_from
 
 
 @pytest.fixture
@@ -25,26 +26,54 @@ def call(batch, **kw):
 
 
 CASES = [
-    (dict(attn_func=torch.zeros(1, 1, 8, dtype=torch.int64)), TypeError, r"attn_func: expected dtype torch.int32, got torch.int64"),
+    (dict(attn_func=torch.zeros(1, 1, 8, dtype=torch.int64)), TypeError,
+     r"attn_func: expected dtype torch.int32, got torch.int64"),
     (dict(attn_func=torch.zeros(1, 8, dtype=torch.int32)), ValueError, r"attn_func: expected a 3-D tensor"),
-    (dict(attn_func=torch.zeros(1, 4, 8, dtype=torch.int32)), ValueError, r"attn_func.shape\[1\] \(NFUNC\): expected an odd width >= 1, got 4"),
-    (dict(attn_func=torch.zeros(1, 3, 7, dtype=torch.int32)), ValueError, r"attn_func.shape\[2\]: expected one column per query row \(8\), got 7"),
-    (dict(attn_func=torch.zeros(3, 3, 8, dtype=torch.int32)), ValueError, r"attn_func.shape\[0\] \(Hf\): expected 1 or the number of heads \(2\), got 3"),
-    (dict(attn_func=torch.zeros(1, 3, 8, dtype=torch.int32), num_targets=torch.tensor([1, 1])), ValueError, r"attn_func: .*leave num_targets at the default"),
+    (dict(attn_func=torch.zeros(1, 4, 8, dtype=torch.int32)), ValueError,
+     r"attn_func.shape\[1\] \(NFUNC\): expected an odd width >= 1, got 4"),
+    (dict(attn_func=torch.zeros(1, 3, 7, dtype=torch.int32)), ValueError,
+     r"attn_func.shape\[2\]: expected one column per query row \(8\), got 7"),
+    (dict(attn_func=torch.zeros(3, 3, 8, dtype=torch.int32)), ValueError,
+     r"attn_func.shape\[0\] \(Hf\): expected 1 or the number of heads \(2\), got 3"),
+    (dict(attn_func=torch.zeros(1, 3, 8, dtype=torch.int32), num_targets=torch.tensor([1, 1])), ValueError,
+     r"attn_func: .*leave num_targets at the default"),
     (dict(attn_func=torch.zeros(1, 3, 8, dtype=torch.int32), max_attn_len=3), ValueError, r"leave max_attn_len"),
-    (dict(attn_func=torch.zeros(1, 3, 8, dtype=torch.int32), contextual_seq_len=1), ValueError, r"leave contextual_seq_len"),
+    (dict(attn_func=torch.zeros(1, 3, 8, dtype=torch.int32), contextual_seq_len=1), ValueError,
+     r"leave contextual_seq_len"),
     (dict(k=torch.randn(7, 2, 4)), ValueError, r"k.shape\[0\]: expected the rows of q \(8\), got 7"),
     (dict(v=torch.randn(8, 3, 4)), ValueError, r"v.shape\[1\] \(heads\): expected the heads of q \(2\), got 3"),
     (dict(k=torch.randn(8, 2, 6)), ValueError, r"k.shape\[2\] \(Dqk\): expected the head dim of q \(4\), got 6"),
     (dict(seq_offsets=torch.tensor([1, 5, 8])), ValueError, r"seq_offsets\[0\]: expected 0, got 1"),
-    (dict(seq_offsets=torch.tensor([0, 6, 5, 8])), ValueError, r"seq_offsets: expected non-decreasing offsets, got seq_offsets\[2\] = 5 < seq_offsets\[1\] = 6"),
-    (dict(seq_offsets=torch.tensor([0, 5, 9])), ValueError, r"seq_offsets\[-1\]: expected the number of rows of the data \(8\), got 9"),
+    (dict(seq_offsets=torch.tensor([0, 6, 5, 8])), ValueError,
+     r"seq_offsets: expected non-decreasing offsets, got seq_offsets\[2\] = 5 < seq_offsets\[1\] = 6"),
+    (dict(seq_offsets=torch.tensor([0, 5, 9])), ValueError,
+     r"seq_offsets\[-1\]: expected the number of rows of the data \(8\), got 9"),
     (dict(seq_offsets=torch.tensor([0, 5, 8.0])), TypeError, r"seq_offsets: expected dtype torch.int32 or torch.int64"),
-    (dict(max_seq_len=4), ValueError, r"max_seq_len: expected at least every sequence length \(sequence 0 has 5\), got 4"),
-    (dict(num_targets=torch.tensor([1, 4])), ValueError, r"num_targets\[1\]: expected 0 <= T <= the sequence length 3, got 4"),
+    (dict(max_seq_len=4), ValueError,
+     r"max_seq_len: expected at least every sequence length \(sequence 0 has 5\), got 4"),
+    (dict(num_targets=torch.tensor([1, 4])), ValueError,
+     r"num_targets\[1\]: expected 0 <= T <= the sequence length 3, got 4"),
     (dict(num_targets=torch.tensor([1])), ValueError, r"num_targets: expected a \(2,\) tensor"),
     (dict(dropout_pr=1.5), ValueError, r"dropout_pr: expected a probability in \[0, 1\), got 1.5"),
     (dict(q=torch.randn(8, 2, 4).long()), TypeError, r"q: expected float16, bfloat16, float32 or float64"),
+    (dict(num_targets=torch.tensor([1.0, 1.5])), TypeError,
+     r"num_targets: expected an integer tensor .*got torch.float32"),
+    (dict(num_targets=torch.tensor([True, False])), TypeError,
+     r"num_targets: expected an integer tensor .*got torch.bool"),
+    (dict(alpha=float("nan")), ValueError, r"alpha: expected a finite number, got nan"),
+    (dict(alpha=float("inf")), ValueError, r"alpha: expected a finite number, got inf"),
+    (dict(alpha="0.5"), TypeError, r"alpha: expected a real number, got str"),
+    (dict(scaling_seqlen=float("nan")), ValueError, r"scaling_seqlen: expected a finite number, got nan"),
+    (dict(scaling_seqlen=float("-inf")), ValueError, r"scaling_seqlen: expected a finite number, got -inf"),
+    (dict(dropout_pr=float("nan")), ValueError, r"dropout_pr: expected a probability in \[0, 1\), got nan"),
+    (dict(dropout_pr=-0.1), ValueError, r"dropout_pr: expected a probability in \[0, 1\), got -0.1"),
+    (dict(max_seq_len=True), TypeError, r"max_seq_len: expected a non-negative int \(not a bool\), got True"),
+    (dict(max_seq_len=5.0), TypeError, r"max_seq_len: expected a non-negative int, got float"),
+    (dict(max_seq_len=torch.tensor(5)), TypeError, r"max_seq_len: expected a non-negative int \(not a Tensor\)"),
+    (dict(max_seq_len=-1), ValueError, r"max_seq_len: expected a non-negative int, got -1"),
+    (dict(max_attn_len=np.float64(2)), TypeError, r"max_attn_len: expected a non-negative int, got float64"),
+    (dict(kernel="fast"), ValueError,
+     r"kernel: expected one of \['auto', 'pytorch', 'triton', 'cutlass'\], got 'fast'"),
 ]
 
 
@@ -61,16 +90,48 @@ def test_cutlass_without_the_wheel_says_what_to_install(batch):
 
 def test_triton_on_cpu_without_the_interpreter_says_why(batch, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(RuntimeError, match="Kernel.TRITON runs on CUDA tensors"):
+    with pytest.raises(ValueError, match=r"q.device: expected CUDA for Kernel.TRITON .*, got cpu"):
         call(batch, kernel=Kernel.TRITON)
 
 
-def test_triton_rejects_dropout(batch, monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with pytest.raises(ValueError, match="dropout_pr: Kernel.TRITON has no dropout"):
-        call(batch, kernel=Kernel.TRITON, dropout_pr=0.1)
+@pytest.mark.parametrize("kind", [np.int64, np.int32, np.uint8, int])
+def test_max_seq_len_accepts_any_integer_kind(batch, kind):
+    torch.testing.assert_close(call(batch, max_seq_len=kind(5)), call(batch), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("scaling", [0, -1, -7.5])
+def test_non_positive_scaling_seqlen_means_max_seq_len(batch, scaling):
+    torch.testing.assert_close(call(batch, scaling_seqlen=scaling), call(batch, scaling_seqlen=5), rtol=0, atol=0)
 
 
 def test_onerank_targets_must_fill_whole_groups():
     with pytest.raises(ValueError, match=r"num_targets\[0\]: expected a multiple of group_size=4, got 3"):
         masks.onerank(offsets_from([8]), torch.tensor([3]), 4)
+
+
+def compiled_call(batch, **kw):
+    offs, q, k, v = batch
+    args = dict(max_seq_len=5, alpha=None, q=q, k=k, v=v, seq_offsets=offs, kernel=Kernel.PYTORCH)
+    args.update(kw)
+    torch._dynamo.reset()
+    return torch.compile(flexhstu.hstu_mha, fullgraph=True, backend="aot_eager")(**args)
+
+
+@pytest.mark.parametrize(
+    "kw,msg",
+    [
+        (dict(seq_offsets=torch.tensor([0, 5, 9])), r"seq_offsets\[-1\]: expected the number of rows of the data"),
+        (dict(seq_offsets=torch.tensor([1, 5, 8])), r"seq_offsets\[0\]: expected 0"),
+        (dict(seq_offsets=torch.tensor([0, 9, 8])), r"seq_offsets: expected non-decreasing offsets"),
+        (dict(num_targets=torch.tensor([1, 4])), r"num_targets: expected 0 <= T <= the sequence length"),
+        (dict(max_seq_len=4), r"max_seq_len: expected at least every sequence length"),
+    ],
+)
+def test_offsets_that_disagree_with_the_data_raise_under_compile(batch, kw, msg):
+    with pytest.raises(RuntimeError, match=msg):
+        compiled_call(batch, **kw)
+
+
+def test_compiled_call_with_good_offsets_equals_eager(batch):
+    nt = torch.tensor([2, 1])
+    torch.testing.assert_close(compiled_call(batch, num_targets=nt), call(batch, num_targets=nt, kernel=Kernel.PYTORCH))

@@ -1,8 +1,12 @@
 """The reference: pad, decode the mask, silu, unpad. Autograd by torch.
 
-This file defines what every backend computes (DESIGN.md section 4)::
+This file defines what every backend computes (docs/design.md, section 4)::
 
     S = alpha * Q K^T;  A = silu(S) * M / scaling_seqlen;  O = dropout(A) V
+
+Masking is by selection (``torch.where``), never by multiplication: a hidden or
+padded entry contributes exactly 0 whatever it holds, so a NaN or Inf in one
+sequence (or in a key a row does not see) cannot reach another row's output.
 """
 
 from __future__ import annotations
@@ -10,37 +14,67 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...jagged import row_coords
+from ...jagged import lengths_of, row_coords
+from ...masks.format import to_dense
+from ...masks.rules import FixedRule, dense_fixed
+
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def pytorch_hstu_mha(
-    max_seq_len: int,
-    alpha: float,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     seq_offsets: torch.Tensor,
-    mask: torch.Tensor,
+    mask: torch.Tensor | FixedRule,
+    *,
+    alpha: float,
     scaling_seqlen: float,
+    max_seq_len: int,
     dropout_pr: float = 0.0,
-    training: bool = True,
 ) -> torch.Tensor:
-    """Jagged ``q, k (total, H, Dqk)``, ``v (total, H, Dv)``, bool ``mask (B, Hf, N, N)`` -> ``(total, H, Dv)``."""
+    """Jagged ``q, k (total, H, Dqk)``, ``v (total, H, Dv)``, offsets ``(B + 1,)`` -> ``(total, H, Dv)``.
+
+    ``mask``: a func ``(Hf, NFUNC, total)`` or the fixed rule's parameters.
+    Sequences are padded to the longest one, which costs one read of the
+    offsets (a sync on CUDA: this is the reference, not the hot path); under
+    torch.compile that read would break the graph, so the padding is
+    ``min(max_seq_len, total)`` and a longer sequence fails a device-side
+    assertion. half and bfloat16 inputs are computed in float32 and the
+    output cast back. ``dropout_pr`` is the rate to apply (0 outside training).
+    """
     total, nheads, _ = q.shape
-    n = int(max_seq_len)
-    if total == 0 or n == 0:
-        return q.new_zeros(total, nheads, v.shape[2]) + 0.0 * (q.sum() + k.sum() + v.sum())
+    if total == 0:  # keeps the output attached to the graph, so backward gives zero gradients
+        return q.new_zeros(0, nheads, v.shape[2]) + 0.0 * (q.sum() + k.sum() + v.sum())
+    work = torch.float32 if q.dtype in _HALF else q.dtype
     offs = seq_offsets.to(torch.int64)
+    n = _padded_length(offs, total, max_seq_len)
     pos = torch.arange(n, device=q.device)
-    lengths = offs[1:] - offs[:-1]
-    valid = pos[None, :] < lengths[:, None]
+    inside = pos[None, :] < lengths_of(offs)[:, None]  # (B, N)
     rows = (offs[:-1, None] + pos[None, :]).clamp(max=total - 1)
-    keep = valid[:, :, None, None].to(q.dtype)
-    qp, kp, vp = (x[rows] * keep for x in (q, k, v))  # (B, N, H, D)
-    s = torch.einsum("bihd,bjhd->bhij", qp, kp) * alpha
-    a = F.silu(s) * mask.to(s.dtype) / scaling_seqlen
+    qp, kp, vp = (torch.where(inside[:, :, None, None], x[rows].to(work), 0.0) for x in (q, k, v))  # (B, N, H, D)
+    visible = _decode(mask, offs, n)  # (B, Hf, N, N)
+    # Hidden scores become 0 before silu: silu(0) = 0, and where sends them no gradient.
+    s = torch.where(visible, torch.einsum("bihd,bjhd->bhij", qp, kp) * alpha, 0.0)
+    a = F.silu(s) / scaling_seqlen
     if dropout_pr > 0.0:
-        a = F.dropout(a, p=dropout_pr, training=training)
+        a = F.dropout(a, p=dropout_pr)
     o = torch.einsum("bhij,bjhd->bihd", a, vp)
-    seq, i, _ = row_coords(seq_offsets, total)
-    return o[seq, i]
+    seq, i, _ = row_coords(offs, total)
+    return o[seq, i].to(q.dtype)
+
+
+def _decode(mask: torch.Tensor | FixedRule, offs: torch.Tensor, n: int) -> torch.Tensor:
+    if isinstance(mask, torch.Tensor):
+        return to_dense(mask, offs, n)
+    return dense_fixed(offs, n, **mask._asdict())
+
+
+def _padded_length(offs: torch.Tensor, total: int, max_seq_len: int) -> int:
+    if torch.compiler.is_compiling():
+        n = torch.sym_min(max_seq_len, total)
+        torch._assert_async(
+            (lengths_of(offs) <= n).all(), "max_seq_len: expected at least every sequence length (under torch.compile)"
+        )
+        return n
+    return int(lengths_of(offs).max())

@@ -1,0 +1,61 @@
+"""What the Triton backend can run: one predicate for ``Kernel.AUTO`` and ``Kernel.TRITON``.
+
+``Kernel.AUTO`` runs Triton on CUDA tensors when :func:`triton_unsupported_reason`
+returns None and the PyTorch reference otherwise (its documented job); an
+explicit ``Kernel.TRITON`` raises with the reason. Pure Python: importable
+without triton.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from ..masks.rules import FixedRule
+
+# mirrors flexhstu/ops/triton/limits.py
+MAX_HEAD_DIM = 256
+
+
+def head_dim_supported(d: int) -> bool:
+    # mirrors flexhstu/ops/triton/limits.py
+    return 16 <= d <= MAX_HEAD_DIM
+
+
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def triton_unsupported_reason(
+    q: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | FixedRule, dropout_pr: float
+) -> str | None:
+    """Why the Triton kernels cannot run this call, as ``arg: expected X, got Y``; None when they can.
+
+    ``q (total, H, Dqk)``, ``v (total, H, Dv)``; ``mask`` is the func or the fixed
+    rule's parameters; ``dropout_pr`` is the rate applied (0.0 outside training).
+    """
+    if importlib.util.find_spec("triton") is None:
+        return "kernel: expected a backend that is installed (Kernel.TRITON needs triton: pip install 'flexhstu[gpu]')"
+    if not q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return f"q.device: expected CUDA for Kernel.TRITON (or the CPU under TRITON_INTERPRET=1), got {q.device}"
+    if q.dtype not in TRITON_DTYPES:
+        return f"q.dtype: expected float16, bfloat16 or float32 for Kernel.TRITON, got {q.dtype}"
+    for name, d in (("q.shape[2] (Dqk)", q.shape[2]), ("v.shape[2] (Dv)", v.shape[2])):
+        if not head_dim_supported(d):
+            return f"{name}: expected a head dim from 16 to {MAX_HEAD_DIM} for Kernel.TRITON, got {d}"
+    if dropout_pr > 0.0:
+        return f"dropout_pr: expected 0.0 (or training=False) for Kernel.TRITON, which has no dropout, got {dropout_pr}"
+    if isinstance(mask, FixedRule) and not mask.causal:
+        used = {
+            "num_targets": mask.num_targets is not None,
+            "max_attn_len": mask.max_attn_len > 0,
+            "contextual_seq_len": mask.contextual_seq_len > 0,
+        }
+        extra = [name for name, on in used.items() if on]
+        if extra:
+            return (
+                f"causal: expected True with {', '.join(extra)} for Kernel.TRITON (build the non-causal mask with "
+                "flexhstu.masks or masks.from_dense and pass attn_func), got False"
+            )
+    return None
