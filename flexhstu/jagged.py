@@ -96,7 +96,7 @@ def row_coords(seq_offsets: torch.Tensor, total: int) -> tuple[torch.Tensor, tor
 
     Sync-free: ``total`` comes from the caller.
     """
-    offs = seq_offsets.to(torch.int64)
+    offs = seq_offsets.to(torch.int64).contiguous()  # searchsorted copies strided boundaries anyway
     t = torch.arange(total, device=offs.device, dtype=torch.int64)
     seq = torch.searchsorted(offs, t, right=True) - 1
     seq = seq.clamp(0, max(offs.numel() - 2, 0))
