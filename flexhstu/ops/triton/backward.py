@@ -19,8 +19,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .plan import (block_bounds, block_is_full, bounds4, causal_bounds, first_block, interval_visibility, kv_block_at,
-                   kv_ranges, load_intervals4, locate_block, mask4, sigmoid)
+from .plan import block_is_full, interval_visibility
+from .query_major import query_major_walk
+from .rules import causal_bounds
+from .silu import sigmoid
+from .tables import first_block, locate_block
 
 
 @triton.jit
@@ -62,43 +65,9 @@ def hstu_backward_dq_kernel(
         q = tl.load(Q + rows_g[:, None] * stride_qt + h * stride_qh + tl.arange(0, DQK)[None, :], mask=row_ok[:, None], other=0.0)
         do = tl.load(DO + rows_g[:, None] * stride_dot + h * stride_doh + tl.arange(0, DV)[None, :], mask=row_ok[:, None], other=0.0)
         acc = tl.zeros((BLOCK_M, DQK), dtype=tl.float32)
-        if MODE == 1:
-            n_full = (m0 + 1) // BLOCK_N
-            n_end = (tl.minimum(m0 + BLOCK_M, L) + BLOCK_N - 1) // BLOCK_N
-            for kb in range(0, n_full):
-                ds, k = dq_block(q, do, K, V, h, seq_start, L, kb * BLOCK_N, rows, stride_kt, stride_kh, stride_vt, stride_vh,
-                                 alpha, BLOCK_N, DQK, DV, False, FAST)
-                acc += tl.dot(ds.to(k.dtype), k)
-            for kb in range(n_full, n_end):
-                ds, k = dq_block(q, do, K, V, h, seq_start, L, kb * BLOCK_N, rows, stride_kt, stride_kh, stride_vt, stride_vh,
-                                 alpha, BLOCK_N, DQK, DV, True, FAST)
-                acc += tl.dot(ds.to(k.dtype), k)
-        else:
-            fx_t = 0
-            if HAS_T:
-                fx_t = tl.load(NT + seq).to(tl.int32)
-            fbase = FUNC + h * stride_fh
-            if HOIST:
-                s0, e0, s1, e1, s2, e2, s3, e3 = load_intervals4(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, L,
-                                                                 fx_t, fx_c, fx_w, fx_f, NFUNC, MODE, HAS_T)
-                hlo, hhi, clo, chi = bounds4(s0, e0, s1, e1, s2, e2, s3, e3, row_ok, NFUNC, RP)
-            else:
-                hlo, hhi, clo, chi = block_bounds(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, L, fx_t, fx_c, fx_w, fx_f,
-                                                  NFUNC, MODE, HAS_T, RP)
-            kstart, klen, kcum = kv_ranges(hlo, hhi, BLOCK_N, RP)
-            for it in range(tl.sum(klen, axis=0)):
-                n0 = kv_block_at(it, kstart, klen, kcum) * BLOCK_N
-                ds, k = dq_block(q, do, K, V, h, seq_start, L, n0, rows, stride_kt, stride_kh, stride_vt, stride_vh,
-                                 alpha, BLOCK_N, DQK, DV, False, FAST)
-                if not block_is_full(n0, tl.minimum(n0 + BLOCK_N, L), clo, chi):
-                    cols = n0 + tl.arange(0, BLOCK_N)
-                    if HOIST:
-                        vis = mask4(s0, e0, s1, e1, s2, e2, s3, e3, cols, n0, hlo, hhi, NFUNC, RP, BLOCK_N, False)
-                    else:
-                        vis = interval_visibility(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, cols, L, n0, hlo, hhi,
-                                                  fx_t, fx_c, fx_w, fx_f, NFUNC, MODE, HAS_T, RP, BLOCK_N, False)
-                    ds = tl.where(vis, ds, 0.0)
-                acc += tl.dot(ds.to(k.dtype), k)
+        acc = query_major_walk(acc, q, do, K, V, FUNC, NT, h, seq, seq_start, L, m0, rows, row_ok, rows_g,
+                               stride_kt, stride_kh, stride_vt, stride_vh, stride_fh, stride_fj, stride_ft, fx_c, fx_w, fx_f,
+                               alpha, dq_block, NFUNC, MODE, HAS_T, RP, FAST, HOIST, BLOCK_M, BLOCK_N, DQK, DV)
         tl.store(DQ + rows_g[:, None] * stride_dqt + h * stride_dqh + tl.arange(0, DQK)[None, :],
                  (acc * dq_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
 

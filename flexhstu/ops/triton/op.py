@@ -11,7 +11,9 @@ import triton
 
 from .backward import hstu_backward_dkdv_kernel, hstu_backward_dq_kernel
 from .forward import hstu_forward_kernel
-from .plan import BIG, MODE_CAUSAL, MODE_FIXED, MODE_FUNC, _block_table_kernel, _plan_kernel
+from .plan import _plan_kernel
+from .rules import BIG, MODE_CAUSAL, MODE_FIXED, MODE_FUNC
+from .tables import Tables
 
 POISON_OUTPUTS = False
 """When True, outputs are filled with NaN before the kernels run (the GPU check sets it), so an
@@ -53,19 +55,6 @@ def tiles(dqk: int, dv: int) -> tuple[Tile, Tile, Tile]:
     return _env_tile("FWD", fwd), _env_tile("DQ", dq), _env_tile("DKDV", dkdv)
 
 
-def block_table(offs: torch.Tensor, total: int, block: int) -> tuple[torch.Tensor, int]:
-    """(sequence of each flat block, number of flat blocks) for one block size.
-
-    Sequence ``b`` owns flat blocks from ``offs[b] // block + b``; the count
-    ``total // block + B`` needs no device read. One launch, no prefix sum.
-    """
-    nseq = offs.numel() - 1
-    bound = total // block + nseq
-    tab = torch.empty(bound, dtype=torch.int32, device=offs.device)
-    _block_table_kernel[(nseq,)](offs, tab, BLOCK=block, CHUNK=256)
-    return tab, bound
-
-
 @dataclass
 class Mask:
     """How the kernels learn visibility: a func tensor, closed-form causal, or the closed-form fixed rule."""
@@ -100,19 +89,6 @@ def _fast(mask: "Mask") -> dict:
     """Attention-kernel switches: tanh.approx sigmoid on the GPU (the interpreter has no inline PTX);
     register-resident intervals for funcs of up to four intervals."""
     return {"FAST": not _interpreting(), "HOIST": mask.nfunc() <= 7}
-
-
-class Tables(dict):
-    """Block tables by block size, computed once per call and shared by the forward and the backward."""
-
-    def __init__(self, offs: torch.Tensor, total: int):
-        super().__init__()
-        self.offs, self.total = offs, total
-
-    def get(self, block: int) -> tuple[torch.Tensor, int]:
-        if block not in self:
-            self[block] = block_table(self.offs, self.total, block)
-        return self[block]
 
 
 def _new_like(x: torch.Tensor, *shape: int) -> torch.Tensor:

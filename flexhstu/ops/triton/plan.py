@@ -19,75 +19,25 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-BIG = 1 << 30
-
-
-MODE_FUNC = 0
-MODE_CAUSAL = 1
-MODE_FIXED = 2
+from .rules import row_interval
+from .tables import first_block, locate_block
 
 
 @triton.jit
-def fixed_ids(x, off, max_id, HAS_T: tl.constexpr):
-    """HSTU ids: contextual rows share id 0, targets share ``max_id``."""
-    ids = tl.maximum(x - off, 0)
-    if HAS_T:
-        ids = tl.minimum(ids, max_id)
-    return ids
+def _no_bounds(RP: tl.constexpr):
+    """Hulls and cores of no row: empty hulls, cores that cover nothing, ready for ``_fold_bounds``."""
+    return (tl.full((RP,), 1 << 30, tl.int32), tl.zeros((RP,), tl.int32),
+            tl.full((RP,), 1 << 30, tl.int32), tl.zeros((RP,), tl.int32))
 
 
 @triton.jit
-def fixed_first_ge(v, L, off, max_id, HAS_T: tl.constexpr):
-    """First local position whose id is >= v (ids are non-decreasing), in [0, L]."""
-    id_first = fixed_ids(0, off, max_id, HAS_T)
-    id_last = fixed_ids(L - 1, off, max_id, HAS_T)
-    return tl.where(v <= id_first, 0, tl.where(v > id_last, L, tl.minimum(v + off, L)))
-
-
-@triton.jit
-def fixed_interval(rows, L, j: tl.constexpr, fx_t, fx_c, fx_w, fx_f, HAS_T: tl.constexpr):
-    """The fixed rule in closed form (as masks.fixed): row i sees C u A u {i}.
-
-    j = 0: C = [0, first_ge(max_id)) for contextual rows; j = 1: A = [0 or
-    window start, first_ge(ids(i))); j = 2: {i}.
-    """
-    off = tl.maximum(fx_c - 1, 0)
-    max_id = L - off - fx_t
-    cur = fixed_ids(rows, off, max_id, HAS_T)
-    if j == 0:
-        start = tl.zeros_like(rows)
-        end = tl.where((fx_c > 0) & (cur == 0), fixed_first_ge(max_id + tl.zeros_like(rows), L, off, max_id, HAS_T), 0)
-    elif j == 1:
-        end = fixed_first_ge(cur, L, off, max_id, HAS_T)
-        windowed = (fx_w > 0) & ~((fx_f > 0) & (cur >= max_id - fx_f))
-        start = tl.where(windowed, fixed_first_ge(cur - fx_w, L, off, max_id, HAS_T), 0)
-    else:
-        start = rows
-        end = rows + 1
-    return start, end
-
-
-@triton.jit
-def row_interval(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, L, j: tl.constexpr, MODE: tl.constexpr,
-                 fx_t, fx_c, fx_w, fx_f, HAS_T: tl.constexpr):
-    """Interval ``j`` of each row, clipped to ``[0, L)``; rows past ``L`` get ``[0, 0)``.
-
-    MODE: 0 reads the func tensor, 1 is causal ``[0, i + 1)``, 2 is the fixed rule.
-    """
-    if MODE == 1:
-        start = tl.zeros_like(rows)
-        end = rows + 1
-    elif MODE == 2:
-        start, end = fixed_interval(rows, L, j, fx_t, fx_c, fx_w, fx_f, HAS_T)
-    else:
-        if j == 0:
-            start = tl.zeros_like(rows)
-        else:
-            start = tl.load(fbase + (2 * j - 1) * stride_fj + rows_g * stride_ft, mask=row_ok, other=0)
-        end = tl.load(fbase + (2 * j) * stride_fj + rows_g * stride_ft, mask=row_ok, other=0)
-    start = tl.maximum(start, 0)
-    end = tl.where(row_ok, tl.minimum(end, L), 0)
-    return start, end
+def _fold_bounds(hlo, hhi, clo, chi, s, e, row_ok, jr, j: tl.constexpr):
+    nonempty = e > s
+    hlo = tl.where(jr == j, tl.min(tl.where(nonempty, s, 1 << 30), axis=0), hlo)
+    hhi = tl.where(jr == j, tl.max(tl.where(nonempty, e, 0), axis=0), hhi)
+    clo = tl.where(jr == j, tl.max(tl.where(row_ok, s, 0), axis=0), clo)
+    chi = tl.where(jr == j, tl.min(tl.where(row_ok, e, 1 << 30), axis=0), chi)
+    return hlo, hhi, clo, chi
 
 
 @triton.jit
@@ -95,17 +45,10 @@ def block_bounds(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, L, fx_t, fx_
                  NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_T: tl.constexpr, RP: tl.constexpr):
     """Per-interval hull and core of a query block: four ``(RP,)`` int32 vectors."""
     jr = tl.arange(0, RP)
-    hlo = tl.full((RP,), 1 << 30, tl.int32)
-    hhi = tl.zeros((RP,), tl.int32)
-    clo = tl.full((RP,), 1 << 30, tl.int32)
-    chi = tl.zeros((RP,), tl.int32)
+    hlo, hhi, clo, chi = _no_bounds(RP)
     for j in tl.static_range((NFUNC + 1) // 2):
         s, e = row_interval(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, L, j, MODE, fx_t, fx_c, fx_w, fx_f, HAS_T)
-        nonempty = e > s
-        hlo = tl.where(jr == j, tl.min(tl.where(nonempty, s, 1 << 30), axis=0), hlo)
-        hhi = tl.where(jr == j, tl.max(tl.where(nonempty, e, 0), axis=0), hhi)
-        clo = tl.where(jr == j, tl.max(tl.where(row_ok, s, 0), axis=0), clo)
-        chi = tl.where(jr == j, tl.min(tl.where(row_ok, e, 1 << 30), axis=0), chi)
+        hlo, hhi, clo, chi = _fold_bounds(hlo, hhi, clo, chi, s, e, row_ok, jr, j)
     return hlo, hhi, clo, chi
 
 
@@ -168,36 +111,6 @@ def interval_visibility(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, cols,
 
 
 @triton.jit
-def first_block(OFFS, seq, BLOCK: tl.constexpr):
-    """Flat index of sequence ``seq``'s first block: ``offs[seq] // BLOCK + seq``.
-
-    Consecutive sequences are at least ``cdiv(L, BLOCK)`` apart (at most one
-    spare slot each), so the flat range ``[0, total // BLOCK + B)`` holds every
-    block of every sequence with no prefix sum.
-    """
-    return (tl.load(OFFS + seq) // BLOCK + seq).to(tl.int32)
-
-
-@triton.jit
-def locate_block(TAB, OFFS, flat, BLOCK: tl.constexpr):
-    """Flat block index -> (sequence, block within it). The block may lie past the
-    sequence's end (a spare slot): callers test ``local * BLOCK < L``."""
-    seq = tl.load(TAB + flat)
-    return seq, flat - first_block(OFFS, seq, BLOCK)
-
-
-@triton.jit
-def _block_table_kernel(OFFS, TAB, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
-    """One program per sequence: write its id over its flat block slots."""
-    b = tl.program_id(0)
-    lo = first_block(OFFS, b, BLOCK)
-    hi = first_block(OFFS, b + 1, BLOCK)
-    for c0 in range(lo, hi, CHUNK):
-        idx = c0 + tl.arange(0, CHUNK)
-        tl.store(TAB + idx, b + tl.zeros_like(idx), mask=idx < hi)
-
-
-@triton.jit
 def _plan_kernel(FUNC, OFFS, NT, QTAB, BOUNDS, QLO, QHI,
                  stride_fh, stride_fj, stride_ft, n_qblocks, n_kblocks, fx_c, fx_w, fx_f,
                  NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_T: tl.constexpr, RP: tl.constexpr,
@@ -235,29 +148,6 @@ def _plan_kernel(FUNC, OFFS, NT, QTAB, BOUNDS, QLO, QHI,
                 tl.atomic_max(QHI + kbase + kbs, qb + 1 + tl.zeros_like(kbs), mask=m)
 
 
-@triton.jit
-def sigmoid(x, FAST: tl.constexpr):
-    """sigmoid(x). FAST: one MUFU op, ``0.5 + 0.5 tanh(x / 2)`` with tanh.approx.f32
-    (relative error ~5e-4, far under bf16's); else ``1 / (1 + 2^(-x log2 e))`` (the interpreter's path)."""
-    if FAST:
-        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x * 0.5], dtype=tl.float32, is_pure=True, pack=1)
-        return 0.5 + 0.5 * t
-    else:
-        return 1.0 / (1.0 + tl.exp2(-x * 1.4426950408889634))
-
-
-@triton.jit
-def causal_bounds(m0, L, BLOCK_M: tl.constexpr, RP: tl.constexpr):
-    """Closed-form hull/core of a causal query block starting at row ``m0``: rows see ``[0, i + 1)``."""
-    jr = tl.arange(0, RP)
-    first = jr == 0
-    hlo = tl.where(first, 0, 1 << 30)
-    hhi = tl.where(first, tl.minimum(m0 + BLOCK_M, L), 0)
-    clo = tl.where(first, 0, 1 << 30)
-    chi = tl.where(first, m0 + 1, 0)
-    return hlo, hhi, clo, chi
-
-
 # Register-resident intervals: for NFUNC <= 7 (up to four intervals) a block's row
 # intervals are loaded once into eight vectors, so masking a key block reads no memory.
 # Wider funcs take the general path above (row_interval reloads per key block).
@@ -284,23 +174,10 @@ def load_intervals4(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, L, fx_t, 
 
 
 @triton.jit
-def _fold_bounds(hlo, hhi, clo, chi, s, e, row_ok, jr, j: tl.constexpr):
-    nonempty = e > s
-    hlo = tl.where(jr == j, tl.min(tl.where(nonempty, s, 1 << 30), axis=0), hlo)
-    hhi = tl.where(jr == j, tl.max(tl.where(nonempty, e, 0), axis=0), hhi)
-    clo = tl.where(jr == j, tl.max(tl.where(row_ok, s, 0), axis=0), clo)
-    chi = tl.where(jr == j, tl.min(tl.where(row_ok, e, 1 << 30), axis=0), chi)
-    return hlo, hhi, clo, chi
-
-
-@triton.jit
 def bounds4(s0, e0, s1, e1, s2, e2, s3, e3, row_ok, NFUNC: tl.constexpr, RP: tl.constexpr):
     """block_bounds from register-resident intervals."""
     jr = tl.arange(0, RP)
-    hlo = tl.full((RP,), 1 << 30, tl.int32)
-    hhi = tl.zeros((RP,), tl.int32)
-    clo = tl.full((RP,), 1 << 30, tl.int32)
-    chi = tl.zeros((RP,), tl.int32)
+    hlo, hhi, clo, chi = _no_bounds(RP)
     hlo, hhi, clo, chi = _fold_bounds(hlo, hhi, clo, chi, s0, e0, row_ok, jr, 0)
     if NFUNC >= 3:
         hlo, hhi, clo, chi = _fold_bounds(hlo, hhi, clo, chi, s1, e1, row_ok, jr, 1)
