@@ -13,51 +13,101 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .plan import block_bounds, block_is_full, bounds4, interval_visibility, kv_block_at, kv_ranges, load_intervals4, mask4
+from .memory import load_rows, store_rows
+from .plan import (
+    block_bounds,
+    block_is_full,
+    bounds_from_intervals,
+    interval_visibility,
+    kv_block_at,
+    kv_ranges,
+    load_row_intervals,
+    visibility_from_intervals,
+)
+from .rules import MODE_CAUSAL, head_func, sequence_targets
+from .tables import locate_block
 
 
 @triton.jit
-def query_major_walk(acc, q, do, K, V, FUNC, NT, h, seq, seq_start, L, m0, rows, row_ok, rows_g,
-                     stride_kt, stride_kh, stride_vt, stride_vh, stride_fh, stride_fj, stride_ft, fx_c, fx_w, fx_f, alpha,
-                     BLOCK_FN: tl.constexpr, NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_T: tl.constexpr,
-                     RP: tl.constexpr, FAST: tl.constexpr, HOIST: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr):
-    if MODE == 1:
-        # Causal: key blocks wholly at or before the first row need no mask; the rest meet the diagonal.
+def query_major_walk(acc, q, do, K, V, func, rule, h, seq, seq_start, L, m0, rows, row_ok, rows_g, alpha,
+                     BLOCK_FN: tl.constexpr, NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_TARGETS: tl.constexpr,
+                     INTERVALS_POW2: tl.constexpr, INTERVALS_IN_REGISTERS: tl.constexpr, FAST_SIGMOID: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr, DIM_V: tl.constexpr):
+    """``acc (BLOCK_M, D)`` plus the contribution of every key block that query block ``m0`` sees.
+
+    ``q (BLOCK_M, DIM_QK)`` and ``do (BLOCK_M, DIM_V)`` are the block's tiles (the forward passes ``q``
+    for ``do``, unused); ``K``, ``V``: ``Jagged``.
+    """
+    if MODE == MODE_CAUSAL:
+        # Key blocks wholly at or before the first row need no mask; the rest meet the diagonal.
         n_full = (m0 + 1) // BLOCK_N
         n_end = (tl.minimum(m0 + BLOCK_M, L) + BLOCK_N - 1) // BLOCK_N
         for kb in range(0, n_full):
-            x, y = BLOCK_FN(q, do, K, V, h, seq_start, L, kb * BLOCK_N, rows, stride_kt, stride_kh, stride_vt, stride_vh,
-                            alpha, BLOCK_N, DQK, DV, False, FAST)
+            x, y = BLOCK_FN(q=q, do=do, K=K, V=V, h=h, seq_start=seq_start, L=L, n0=kb * BLOCK_N, rows=rows,
+                            alpha=alpha, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, CAUSAL_MASK=False,
+                            FAST_SIGMOID=FAST_SIGMOID)
             acc += tl.dot(x.to(y.dtype), y)
         for kb in range(n_full, n_end):
-            x, y = BLOCK_FN(q, do, K, V, h, seq_start, L, kb * BLOCK_N, rows, stride_kt, stride_kh, stride_vt, stride_vh,
-                            alpha, BLOCK_N, DQK, DV, True, FAST)
+            x, y = BLOCK_FN(q=q, do=do, K=K, V=V, h=h, seq_start=seq_start, L=L, n0=kb * BLOCK_N, rows=rows,
+                            alpha=alpha, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, CAUSAL_MASK=True,
+                            FAST_SIGMOID=FAST_SIGMOID)
             acc += tl.dot(x.to(y.dtype), y)
     else:
-        fx_t = 0
-        if HAS_T:
-            fx_t = tl.load(NT + seq).to(tl.int32)
-        fbase = FUNC + h * stride_fh
-        if HOIST:
-            s0, e0, s1, e1, s2, e2, s3, e3 = load_intervals4(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, L,
-                                                             fx_t, fx_c, fx_w, fx_f, NFUNC, MODE, HAS_T)
-            hlo, hhi, clo, chi = bounds4(s0, e0, s1, e1, s2, e2, s3, e3, row_ok, NFUNC, RP)
+        targets = sequence_targets(rule, seq, HAS_TARGETS)
+        func = head_func(func, h)
+        if INTERVALS_IN_REGISTERS:
+            intervals = load_row_intervals(func=func, targets=targets, rule=rule, rows=rows, rows_g=rows_g,
+                                           row_ok=row_ok, L=L, NFUNC=NFUNC, MODE=MODE, HAS_TARGETS=HAS_TARGETS)
+            hlo, hhi, clo, chi = bounds_from_intervals(intervals, row_ok, NFUNC, INTERVALS_POW2)
         else:
-            hlo, hhi, clo, chi = block_bounds(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, L, fx_t, fx_c, fx_w, fx_f,
-                                              NFUNC, MODE, HAS_T, RP)
-        kstart, klen, kcum = kv_ranges(hlo, hhi, BLOCK_N, RP)
+            hlo, hhi, clo, chi = block_bounds(func=func, targets=targets, rule=rule, rows=rows, rows_g=rows_g,
+                                              row_ok=row_ok, L=L, NFUNC=NFUNC, MODE=MODE, HAS_TARGETS=HAS_TARGETS,
+                                              INTERVALS_POW2=INTERVALS_POW2)
+        kstart, klen, kcum = kv_ranges(hlo, hhi, BLOCK_N, INTERVALS_POW2)
         for it in range(tl.sum(klen, axis=0)):
             n0 = kv_block_at(it, kstart, klen, kcum) * BLOCK_N
-            x, y = BLOCK_FN(q, do, K, V, h, seq_start, L, n0, rows, stride_kt, stride_kh, stride_vt, stride_vh,
-                            alpha, BLOCK_N, DQK, DV, False, FAST)
+            x, y = BLOCK_FN(q=q, do=do, K=K, V=V, h=h, seq_start=seq_start, L=L, n0=n0, rows=rows,
+                            alpha=alpha, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, CAUSAL_MASK=False,
+                            FAST_SIGMOID=FAST_SIGMOID)
             if not block_is_full(n0, tl.minimum(n0 + BLOCK_N, L), clo, chi):
                 cols = n0 + tl.arange(0, BLOCK_N)
-                if HOIST:
-                    vis = mask4(s0, e0, s1, e1, s2, e2, s3, e3, cols, n0, hlo, hhi, NFUNC, RP, BLOCK_N, False)
+                if INTERVALS_IN_REGISTERS:
+                    vis = visibility_from_intervals(intervals=intervals, cols=cols, n0=n0, hlo=hlo, hhi=hhi,
+                                                    NFUNC=NFUNC, INTERVALS_POW2=INTERVALS_POW2, BLOCK_N=BLOCK_N,
+                                                    TRANS=False)
                 else:
-                    vis = interval_visibility(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, cols, L, n0, hlo, hhi,
-                                              fx_t, fx_c, fx_w, fx_f, NFUNC, MODE, HAS_T, RP, BLOCK_N, False)
+                    vis = interval_visibility(func=func, targets=targets, rule=rule, rows=rows, rows_g=rows_g,
+                                              row_ok=row_ok, L=L, cols=cols, n0=n0, hlo=hlo, hhi=hhi, NFUNC=NFUNC,
+                                              MODE=MODE, HAS_TARGETS=HAS_TARGETS, INTERVALS_POW2=INTERVALS_POW2,
+                                              BLOCK_N=BLOCK_N, TRANS=False)
                 x = tl.where(vis, x, 0.0)
             acc += tl.dot(x.to(y.dtype), y)
     return acc
+
+
+@triton.jit
+def query_major_program(Q, DO, K, V, OUT, func, rule, OFFS, QTAB, n_flat, alpha, out_scale,
+                        BLOCK_FN: tl.constexpr, WITH_DO: tl.constexpr, OUT_DIM: tl.constexpr,
+                        NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_TARGETS: tl.constexpr,
+                        INTERVALS_POW2: tl.constexpr, INTERVALS_IN_REGISTERS: tl.constexpr,
+                        FAST_SIGMOID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        DIM_QK: tl.constexpr, DIM_V: tl.constexpr):
+    """One query-major program: locate its query block (last flat blocks first: under causal-like masks
+    they carry the most key blocks), load ``q`` (and ``do`` when WITH_DO), walk, store
+    ``out_scale * acc`` into ``OUT (total, H, OUT_DIM)``."""
+    h = tl.program_id(1)
+    seq, qb, seq_start, L = locate_block(QTAB, OFFS, n_flat - 1 - tl.program_id(0), BLOCK_M)
+    m0 = qb * BLOCK_M
+    if m0 < L:
+        rows = m0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < L
+        rows_g = seq_start + rows
+        q = load_rows(Q, rows_g, row_ok, h, DIM_QK)
+        do = load_rows(DO, rows_g, row_ok, h, DIM_V) if WITH_DO else q
+        acc = query_major_walk(
+            acc=tl.zeros((BLOCK_M, OUT_DIM), dtype=tl.float32), q=q, do=do, K=K, V=V, func=func, rule=rule, h=h,
+            seq=seq, seq_start=seq_start, L=L, m0=m0, rows=rows, row_ok=row_ok, rows_g=rows_g, alpha=alpha,
+            BLOCK_FN=BLOCK_FN, NFUNC=NFUNC, MODE=MODE, HAS_TARGETS=HAS_TARGETS, INTERVALS_POW2=INTERVALS_POW2,
+            INTERVALS_IN_REGISTERS=INTERVALS_IN_REGISTERS, FAST_SIGMOID=FAST_SIGMOID,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V)
+        store_rows(OUT, rows_g, row_ok, h, acc * out_scale, OUT_DIM)

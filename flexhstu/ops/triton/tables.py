@@ -24,10 +24,14 @@ def first_block(OFFS, seq, BLOCK: tl.constexpr):
 
 @triton.jit
 def locate_block(TAB, OFFS, flat, BLOCK: tl.constexpr):
-    """Flat block index -> (sequence, block within it). The block may lie past the
-    sequence's end (a spare slot): callers test ``local * BLOCK < L``."""
+    """Flat block index -> (sequence, block within it, the sequence's first jagged row (int64), its length).
+
+    The block may lie past the sequence's end (a spare slot): callers test ``local * BLOCK < L``.
+    """
     seq = tl.load(TAB + flat)
-    return seq, flat - first_block(OFFS, seq, BLOCK)
+    seq_start = tl.load(OFFS + seq).to(tl.int64)
+    length = (tl.load(OFFS + seq + 1) - seq_start).to(tl.int32)
+    return seq, flat - first_block(OFFS, seq, BLOCK), seq_start, length
 
 
 @triton.jit
@@ -54,14 +58,15 @@ def block_table(offs: torch.Tensor, total: int, block: int) -> tuple[torch.Tenso
     return tab, bound
 
 
-class Tables(dict):
-    """Block tables by block size, computed once per call and shared by the forward and the backward."""
+class BlockTables:
+    """Block tables by block size, built on first use and shared by the forward and the backward of one call."""
 
     def __init__(self, offs: torch.Tensor, total: int):
-        super().__init__()
-        self.offs, self.total = offs, total
+        self._offs, self._total = offs, total
+        self._by_block: dict[int, tuple[torch.Tensor, int]] = {}
 
-    def get(self, block: int) -> tuple[torch.Tensor, int]:
-        if block not in self:
-            self[block] = block_table(self.offs, self.total, block)
-        return self[block]
+    def table(self, block: int) -> tuple[torch.Tensor, int]:
+        """(sequence of each flat block ``(n,)`` int32, ``n``) for blocks of ``block`` rows."""
+        if block not in self._by_block:
+            self._by_block[block] = block_table(self._offs, self._total, block)
+        return self._by_block[block]
