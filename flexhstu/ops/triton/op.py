@@ -10,52 +10,16 @@ import triton
 
 from .args import FixedRule, Func, jagged
 from .backward import hstu_backward_dkdv_kernel, hstu_backward_dq_kernel
+from .config import tiles
+from .debug import poisoning
 from .forward import hstu_forward_kernel
 from .plan import _plan_kernel
 from .rules import BIG, MODE_CAUSAL, MODE_FIXED, MODE_FUNC
 from .tables import BlockTables
 
-POISON_OUTPUTS = False
-"""When True, outputs are filled with NaN before the kernels run (the GPU check sets it), so an
-element a kernel forgot to write shows up as NaN instead of stale memory."""
-
-
-@dataclass(frozen=True)
-class Tile:
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-
-    def launch(self) -> dict:
-        return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, num_warps=self.num_warps, num_stages=self.num_stages)
-
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _env_tile(name: str, default: Tile) -> Tile:
-    """``FLEXHSTU_<NAME>_TILE=BM,BN,WARPS,STAGES`` overrides a tile (used by the benchmark's sweep)."""
-    text = os.environ.get(f"FLEXHSTU_{name}_TILE")
-    if not text:
-        return default
-    bm, bn, w, s = (int(x) for x in text.split(","))
-    return Tile(bm, bn, w, s)
-
-
-def tiles(dqk: int, dv: int) -> tuple[Tile, Tile, Tile]:
-    """(forward, dQ, dK/dV) tiles. The interpreter gets small, unequal blocks so tests cross many blocks."""
-    if _interpreting():
-        return Tile(32, 16, 4, 1), Tile(16, 32, 4, 1), Tile(16, 32, 4, 1)
-    d = max(dqk, dv)
-    if d <= 64:
-        fwd, dq, dkdv = Tile(128, 64, 4, 3), Tile(128, 64, 4, 3), Tile(64, 128, 4, 3)
-    elif d <= 128:
-        fwd, dq, dkdv = Tile(128, 64, 8, 3), Tile(128, 64, 8, 3), Tile(64, 128, 8, 2)  # from benchmarks/sweep.py
-    else:
-        fwd, dq, dkdv = Tile(64, 64, 4, 2), Tile(64, 32, 4, 2), Tile(32, 64, 4, 2)
-    return _env_tile("FWD", fwd), _env_tile("DQ", dq), _env_tile("DKDV", dkdv)
 
 
 @dataclass
@@ -93,17 +57,18 @@ class Visibility:
 
 def _new_like(x: torch.Tensor, *shape: int) -> torch.Tensor:
     out = torch.empty(*(shape or x.shape), dtype=x.dtype, device=x.device)
-    return out.fill_(float("nan")) if POISON_OUTPUTS else out
+    return out.fill_(float("nan")) if poisoning() else out
 
 
 def _last_dim_contiguous(*xs: torch.Tensor) -> list[torch.Tensor]:
     return [x if x.stride(-1) == 1 else x.contiguous() for x in xs]
 
 
-def _attention_args(q, k, v, offs, vis: Visibility, alpha: float) -> dict:
-    """Arguments of the three attention kernels: Q, K, V, the mask, the head dims, the sigmoid switch."""
+def _attention_args(q, k, v, offs, vis: Visibility, alpha: float, interpreting: bool) -> dict:
+    """Arguments of the three attention kernels: Q, K, V, the mask, the head dims, the sigmoid switch
+    (tanh.approx on the GPU; the interpreter has no inline PTX)."""
     return dict(Q=jagged(q), K=jagged(k), V=jagged(v), OFFS=offs, alpha=alpha, DIM_QK=q.shape[2], DIM_V=v.shape[2],
-                FAST_SIGMOID=not _interpreting(), **vis.kernel_args(offs))
+                FAST_SIGMOID=not interpreting, **vis.kernel_args(offs))
 
 
 def _query_major_args(vis: Visibility) -> dict:
@@ -118,11 +83,12 @@ def forward(q, k, v, offs, vis: Visibility, alpha: float, out_scale: float,
     out = _new_like(q, total, nheads, v.shape[2])
     if total == 0:
         return out
-    tile, _, _ = tiles(dqk, v.shape[2])
+    interpreting = _interpreting()
+    tile = tiles(dqk, v.shape[2], interpreting).forward
     tables = tables if tables is not None else BlockTables(offs, total)
     qtab, nqb = tables.table(tile.block_m)
     hstu_forward_kernel[(nqb, nheads)](
-        **_attention_args(q, k, v, offs, vis, alpha), **_query_major_args(vis), **tile.launch(),
+        **_attention_args(q, k, v, offs, vis, alpha, interpreting), **_query_major_args(vis), **tile.launch(),
         OUT=jagged(out), QTAB=qtab, n_flat=nqb, out_scale=out_scale,
     )
     return out
@@ -135,8 +101,9 @@ def backward(dout, q, k, v, offs, vis: Visibility, alpha: float, out_scale: floa
     dq = _new_like(q)
     if total == 0:
         return dq, _new_like(k), _new_like(v)
-    _, tq, tkv = tiles(dqk, v.shape[2])
-    args = _attention_args(q, k, v, offs, vis, alpha)
+    interpreting = _interpreting()
+    _, tq, tkv = tiles(dqk, v.shape[2], interpreting)
+    args = _attention_args(q, k, v, offs, vis, alpha, interpreting)
     tables = tables if tables is not None else BlockTables(offs, total)
     qtab, nqb = tables.table(tq.block_m)
     hstu_backward_dq_kernel[(nqb, nheads)](
@@ -148,7 +115,7 @@ def backward(dout, q, k, v, offs, vis: Visibility, alpha: float, out_scale: floa
     ktab, nkb = tables.table(tkv.block_n)
     # Split a key block's query range when it is long: at most 8 chunks of at least `chunk` query blocks.
     q_blocks_max = max(1, -(-max(max_seq_len, 1) // tkv.block_m))
-    chunk = 2 if _interpreting() else max(32, -(-q_blocks_max // 8))
+    chunk = 2 if interpreting else max(32, -(-q_blocks_max // 8))
     n_split = max(1, -(-q_blocks_max // chunk))
     if n_split > 1:
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)
