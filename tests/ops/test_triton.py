@@ -182,3 +182,23 @@ def test_tile_override_applies_inside_the_block_only_and_keeps_the_result():
     want = torch.autograd.grad(ref, (q, k, v), torch.ones_like(ref))
     for g, w in zip((dq, dk, dv), want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("max_seq_len", [0, 1, 40, 10_000])
+def test_max_seq_len_is_only_a_hint_for_the_key_major_split(max_seq_len):
+    # Sequences of up to 7 query blocks of the interpreter's key-major tile (16 rows), split in chunks of 2:
+    # every max_seq_len (0, too small, too large) must give the reference dK/dV.
+    from flexhstu.ops.triton import triton_hstu_mha
+
+    lengths = [100, 0, 45]
+    offs = offsets_from(lengths).to(DEVICE)
+    q, k, v = batch(lengths, heads=1)
+    func = masks.sla(offs.cpu(), 40, 8).to(DEVICE)
+    out = triton_hstu_mha(q, k, v, offs, func=func, alpha=0.3, out_scale=1 / 100, max_seq_len=max_seq_len)
+    ref = flexhstu.hstu_mha(100, 0.3, q, k, v, offs, attn_func=func, kernel=Kernel.PYTORCH)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    want = torch.autograd.grad(ref, (q, k, v), dout)
+    for g, w, what in zip(got, want, ("dq", "dk", "dv")):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, msg=lambda m, what=what: f"{what}: {m}")

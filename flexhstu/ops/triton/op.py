@@ -17,6 +17,9 @@ from .plan import _plan_kernel
 from .rules import BIG, MODE_CAUSAL, MODE_FIXED, MODE_FUNC
 from .tables import BlockTables
 
+_NEVER_SPLIT = 2**31 - 1
+"""A chunk longer than any key block's query range (in query blocks)."""
+
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -114,9 +117,14 @@ def backward(dout, q, k, v, offs, vis: Visibility, alpha: float, out_scale: floa
     ptab, npb = tables.table(tkv.block_m)
     ktab, nkb = tables.table(tkv.block_n)
     # Split a key block's query range when it is long: at most 8 chunks of at least `chunk` query blocks.
+    # max_seq_len only sizes the split: the last chunk runs to the end of the range whatever its length,
+    # and with one program per key block (n_split 1) no range is split, since only n_split > 1 zeroes
+    # the outputs that the split path adds into.
     q_blocks_max = max(1, -(-max(max_seq_len, 1) // tkv.block_m))
     chunk = 2 if interpreting else max(32, -(-q_blocks_max // 8))
     n_split = max(1, -(-q_blocks_max // chunk))
+    if n_split == 1:
+        chunk = _NEVER_SPLIT
     if n_split > 1:
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     else:
@@ -214,7 +222,8 @@ def triton_hstu_mha(q, k, v, seq_offsets, *, func=None, num_targets=None, causal
                     alpha: float, out_scale: float, max_seq_len: int) -> torch.Tensor:
     """Dispatch to the custom op. ``func`` given: the func decides; else causal or the fixed rule in closed form.
 
-    ``max_seq_len`` only sizes the split of long key-major ranges; a wrong value costs speed, not correctness.
+    ``max_seq_len`` is only a tuning hint (it sizes the split of long key-major ranges): any value,
+    0 or smaller than the longest sequence included, gives the same result.
     """
     offs = seq_offsets if seq_offsets.dtype == torch.int64 else seq_offsets.to(torch.int64)
     if func is not None:
