@@ -202,3 +202,62 @@ def test_max_seq_len_is_only_a_hint_for_the_key_major_split(max_seq_len):
     want = torch.autograd.grad(ref, (q, k, v), dout)
     for g, w, what in zip(got, want, ("dq", "dk", "dv")):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, msg=lambda m, what=what: f"{what}: {m}")
+
+
+def _strided(x):
+    """The same values as ``x`` (1-D), in a view with stride 2."""
+    return torch.stack([x, torch.full_like(x, -7)], 1)[:, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_strided_seq_offsets_give_the_same_output(dtype):
+    lengths = [37, 0, 70, 16]
+    offs = offsets_from(lengths, dtype=dtype).to(DEVICE)
+    q, k, v = batch(lengths)
+    kw = dict(kernel=Kernel.TRITON, attn_func=masks.sla(offs.cpu(), 20, 4).to(DEVICE))
+    want = flexhstu.hstu_mha(70, None, q, k, v, offs, **kw)
+    strided = _strided(offs)
+    assert strided.stride(0) == 2
+    got = flexhstu.hstu_mha(70, None, q, k, v, strided, **kw)
+    assert torch.equal(got, want)
+    dout = torch.randn_like(want)
+    for g, w in zip(torch.autograd.grad(got, (q, k, v), dout), torch.autograd.grad(want, (q, k, v), dout)):
+        assert torch.equal(g, w)
+
+
+def test_strided_num_targets_give_the_same_output():
+    lengths = [37, 0, 70, 16]
+    offs = offsets_from(lengths).to(DEVICE)
+    nt = torch.tensor([9, 0, 20, 3], device=DEVICE)
+    q, k, v = batch(lengths)
+    kw = dict(kernel=Kernel.TRITON, max_attn_len=10, contextual_seq_len=2)
+    want = flexhstu.hstu_mha(70, None, q, k, v, offs, num_targets=nt, **kw)
+    got = flexhstu.hstu_mha(70, None, q, k, v, offs, num_targets=_strided(nt), **kw)
+    assert torch.equal(got, want)
+    dout = torch.randn_like(want)
+    for g, w in zip(torch.autograd.grad(got, (q, k, v), dout), torch.autograd.grad(want, (q, k, v), dout)):
+        assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("layout", ["fused-projection", "heads-first", "last-dim-stride-2"])
+def test_strided_qkv_give_the_same_output(layout):
+    lengths = [37, 0, 21]
+    total, heads, d = sum(lengths), 2, 16
+    offs = offsets_from(lengths).to(DEVICE)
+    g = torch.Generator().manual_seed(5)
+    if layout == "fused-projection":  # slices of one (total, H, 3 D) projection
+        q, k, v = torch.randn(total, heads, 3 * d, generator=g).to(DEVICE).split(d, dim=2)
+    elif layout == "heads-first":  # (H, total, D) storage seen as (total, H, D)
+        q, k, v = (torch.randn(heads, total, d, generator=g).to(DEVICE).transpose(0, 1) for _ in range(3))
+    else:
+        q, k, v = (torch.randn(total, heads, 2 * d, generator=g).to(DEVICE)[..., ::2] for _ in range(3))
+    q, k, v = (x.requires_grad_(True) for x in (q, k, v))
+    assert not q.is_contiguous()
+    dense = [x.detach().contiguous().requires_grad_(True) for x in (q, k, v)]
+    kw = dict(kernel=Kernel.TRITON, attn_func=masks.sla(offs.cpu(), 9, 3).to(DEVICE))
+    got = flexhstu.hstu_mha(37, None, q, k, v, offs, **kw)
+    want = flexhstu.hstu_mha(37, None, *dense, offs, **kw)
+    assert torch.equal(got, want)
+    dout = torch.randn_like(want)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), dout), torch.autograd.grad(want, dense, dout)):
+        assert torch.equal(a, b)

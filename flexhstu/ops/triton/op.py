@@ -222,10 +222,16 @@ def triton_hstu_mha(q, k, v, seq_offsets, *, func=None, num_targets=None, causal
                     alpha: float, out_scale: float, max_seq_len: int) -> torch.Tensor:
     """Dispatch to the custom op. ``func`` given: the func decides; else causal or the fixed rule in closed form.
 
+    q, k: ``(total, H, Dqk)``, v: ``(total, H, Dv)``, any strides (a non-unit last stride costs a copy);
+    seq_offsets ``(B + 1,)`` and num_targets ``(B,)``: int32 or int64, any stride. Returns ``(total, H, Dv)``.
+
     ``max_seq_len`` is only a tuning hint (it sizes the split of long key-major ranges): any value,
     0 or smaller than the longest sequence included, gives the same result.
     """
-    offs = seq_offsets if seq_offsets.dtype == torch.int64 else seq_offsets.to(torch.int64)
+    # The kernels read offsets and num_targets as plain int64 / int arrays (no strides): made so here, once.
+    offs = seq_offsets.to(torch.int64).contiguous()
+    if num_targets is not None:
+        num_targets = num_targets.contiguous()
     if func is not None:
         mode = MODE_FUNC
     elif causal_closed_form:
