@@ -261,3 +261,34 @@ def test_strided_qkv_give_the_same_output(layout):
     dout = torch.randn_like(want)
     for a, b in zip(torch.autograd.grad(got, (q, k, v), dout), torch.autograd.grad(want, dense, dout)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mode", ["causal", "fixed", "func"])
+@pytest.mark.parametrize("dqk,dv", [(24, 24), (48, 48), (20, 40), (8, 12)])
+def test_head_dims_that_are_not_powers_of_two_match_the_reference(dqk, dv, mode):
+    lengths = [37, 0, 21]
+    offs = offsets_from(lengths).to(DEVICE)
+    q, k, v = batch(lengths, heads=1, dqk=dqk, dv=dv, seed=dqk + dv)
+    kw = {"causal": {}, "fixed": dict(num_targets=torch.tensor([5, 0, 4], device=DEVICE), max_attn_len=9,
+                                      contextual_seq_len=2),
+          "func": dict(attn_func=masks.sla(offs.cpu(), 9, 3).to(DEVICE))}[mode]
+    out = flexhstu.hstu_mha(37, None, q, k, v, offs, kernel=Kernel.TRITON, **kw)
+    ref = flexhstu.hstu_mha(37, None, q, k, v, offs, kernel=Kernel.PYTORCH, **kw)
+    assert out.shape == (sum(lengths), 1, dv)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    want = torch.autograd.grad(ref, (q, k, v), dout)
+    for g, w, what in zip(got, want, ("dq", "dk", "dv")):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, msg=lambda m, what=what: f"{what}: {m}")
+
+
+def test_head_dim_above_the_limit_is_rejected_naming_the_argument():
+    from flexhstu.ops.triton import triton_hstu_mha
+    from flexhstu.ops.triton.limits import MAX_HEAD_DIM, head_dim_supported
+
+    assert head_dim_supported(MAX_HEAD_DIM) and not head_dim_supported(MAX_HEAD_DIM + 1)
+    q = torch.zeros(4, 1, 16, device=DEVICE)
+    v = torch.zeros(4, 1, MAX_HEAD_DIM + 1, device=DEVICE)
+    with pytest.raises(ValueError, match=r"v.shape\[2\] \(Dv\).*got 257"):
+        triton_hstu_mha(q, q, v, offsets_from([4]).to(DEVICE), alpha=1.0, out_scale=1.0, max_seq_len=4)

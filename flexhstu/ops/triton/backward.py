@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .memory import add_rows, load_rows, store_rows
+from .memory import load_rows, tile_mask, tile_ptrs
 from .plan import block_is_full, interval_visibility
 from .query_major import query_major_program
 from .rules import MODE_CAUSAL, causal_bounds, head_func, sequence_targets
@@ -29,13 +29,14 @@ from .tables import first_block, locate_block
 
 @triton.jit
 def dq_block(q, do, K, V, h, seq_start, L, n0, rows, alpha, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr,
-             DIM_V: tl.constexpr, CAUSAL_MASK: tl.constexpr, FAST_SIGMOID: tl.constexpr):
+             DIM_V: tl.constexpr, TILE_QK: tl.constexpr, TILE_V: tl.constexpr, CAUSAL_MASK: tl.constexpr,
+             FAST_SIGMOID: tl.constexpr):
     """Key block ``n0``: ``(dS / c, k)`` with ``dS / c = (do v^T) silu'(s)``, zeroed above the diagonal
     when CAUSAL_MASK."""
     cols = n0 + tl.arange(0, BLOCK_N)
     col_ok = cols < L
-    k = load_rows(K, seq_start + cols, col_ok, h, DIM_QK)
-    v = load_rows(V, seq_start + cols, col_ok, h, DIM_V)
+    k = load_rows(K, seq_start + cols, col_ok, h, DIM_QK, TILE_QK)
+    v = load_rows(V, seq_start + cols, col_ok, h, DIM_V, TILE_V)
     s = tl.dot(q, tl.trans(k)) * alpha
     sig = sigmoid(s, FAST_SIGMOID)
     ds = tl.dot(do, tl.trans(v)) * sig * (1.0 + s * (1.0 - sig))
@@ -51,14 +52,16 @@ def hstu_backward_dq_kernel(
     NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_TARGETS: tl.constexpr, INTERVALS_POW2: tl.constexpr,
     INTERVALS_IN_REGISTERS: tl.constexpr, FAST_SIGMOID: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr, DIM_V: tl.constexpr,
+    TILE_QK: tl.constexpr, TILE_V: tl.constexpr,
 ):
     """``Q``, ``K``, ``DQ``: ``Jagged (total, H, DIM_QK)``; ``V``, ``DO``: ``Jagged (total, H, DIM_V)``;
     grid ``(n_flat, H)``."""
     query_major_program(
         Q=Q, DO=DO, K=K, V=V, OUT=DQ, func=func, rule=rule, OFFS=OFFS, QTAB=QTAB, n_flat=n_flat, alpha=alpha,
-        out_scale=dq_scale, BLOCK_FN=dq_block, WITH_DO=True, OUT_DIM=DIM_QK, NFUNC=NFUNC, MODE=MODE,
-        HAS_TARGETS=HAS_TARGETS, INTERVALS_POW2=INTERVALS_POW2, INTERVALS_IN_REGISTERS=INTERVALS_IN_REGISTERS,
-        FAST_SIGMOID=FAST_SIGMOID, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V)
+        out_scale=dq_scale, BLOCK_FN=dq_block, WITH_DO=True, OUT_DIM=DIM_QK, OUT_TILE=TILE_QK, NFUNC=NFUNC,
+        MODE=MODE, HAS_TARGETS=HAS_TARGETS, INTERVALS_POW2=INTERVALS_POW2,
+        INTERVALS_IN_REGISTERS=INTERVALS_IN_REGISTERS, FAST_SIGMOID=FAST_SIGMOID, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK, TILE_V=TILE_V)
 
 
 @triton.jit
@@ -69,6 +72,7 @@ def hstu_backward_dkdv_kernel(
     NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_TARGETS: tl.constexpr, INTERVALS_POW2: tl.constexpr,
     FAST_SIGMOID: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr, DIM_V: tl.constexpr,
+    TILE_QK: tl.constexpr, TILE_V: tl.constexpr,
 ):
     """One program per (key block, split, head); ``BOUNDS``, ``QLO``, ``QHI``: ``_plan_kernel``'s
     output (unused under MODE_CAUSAL); ``plan_head`` is 1 when the plan has one row per head."""
@@ -84,7 +88,7 @@ def hstu_backward_dkdv_kernel(
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < L
         cols_g = seq_start + cols
-        func = head_func(func, h)
+        func_h = head_func(func, h)  # a new name: the tuple's field types differ
         if MODE == MODE_CAUSAL:
             q_lo = n0 // BLOCK_M
             q_hi = (L + BLOCK_M - 1) // BLOCK_M
@@ -99,18 +103,18 @@ def hstu_backward_dkdv_kernel(
             hi = tl.where(split == n_split - 1, q_hi, tl.minimum(q_hi, lo + chunk))
         if is_split or split == 0:
             jr = tl.arange(0, INTERVALS_POW2)
-            k = load_rows(K, cols_g, col_ok, h, DIM_QK)
-            v = load_rows(V, cols_g, col_ok, h, DIM_V)
+            k = load_rows(K, cols_g, col_ok, h, DIM_QK, TILE_QK)
+            v = load_rows(V, cols_g, col_ok, h, DIM_V, TILE_V)
             q_flat = first_block(OFFS, seq, BLOCK_M)
-            acc_k = tl.zeros((BLOCK_N, DIM_QK), dtype=tl.float32)
-            acc_v = tl.zeros((BLOCK_N, DIM_V), dtype=tl.float32)
+            acc_k = tl.zeros((BLOCK_N, TILE_QK), dtype=tl.float32)
+            acc_v = tl.zeros((BLOCK_N, TILE_V), dtype=tl.float32)
             for qb in range(lo, hi):
                 m0 = qb * BLOCK_M
                 rows = m0 + tl.arange(0, BLOCK_M)
                 row_ok = rows < L
                 rows_g = seq_start + rows
-                q = load_rows(Q, rows_g, row_ok, h, DIM_QK)
-                do = load_rows(DO, rows_g, row_ok, h, DIM_V)
+                q = load_rows(Q, rows_g, row_ok, h, DIM_QK, TILE_QK)
+                do = load_rows(DO, rows_g, row_ok, h, DIM_V, TILE_V)
                 if MODE == MODE_CAUSAL:
                     hlo, hhi, clo, chi = causal_bounds(m0, L, BLOCK_M, INTERVALS_POW2)
                 else:
@@ -127,7 +131,7 @@ def hstu_backward_dkdv_kernel(
                 if not block_is_full(n0, n1, clo, chi):
                     # Intervals are re-read here rather than held in registers: along this kernel's
                     # transposed tile a row vector costs ~16 registers a thread (measured slower).
-                    vis = interval_visibility(func=func, targets=targets, rule=rule, rows=rows, rows_g=rows_g,
+                    vis = interval_visibility(func=func_h, targets=targets, rule=rule, rows=rows, rows_g=rows_g,
                                               row_ok=row_ok, L=L, cols=cols, n0=n0, hlo=hlo, hhi=hhi, NFUNC=NFUNC,
                                               MODE=MODE, HAS_TARGETS=HAS_TARGETS, INTERVALS_POW2=INTERVALS_POW2,
                                               BLOCK_N=BLOCK_N, TRANS=True)
@@ -135,9 +139,13 @@ def hstu_backward_dkdv_kernel(
                     ds = tl.where(vis, ds, 0.0)
                 acc_v += tl.dot(p.to(do.dtype), do)
                 acc_k += tl.dot(ds.to(q.dtype), q)
+            dk_ptrs = tile_ptrs(DK, cols_g, h, TILE_QK)
+            dv_ptrs = tile_ptrs(DV, cols_g, h, TILE_V)
+            dk_mask = tile_mask(col_ok, DIM_QK, TILE_QK)
+            dv_mask = tile_mask(col_ok, DIM_V, TILE_V)
             if is_split:
-                add_rows(DK, cols_g, col_ok, h, acc_k * dk_scale, DIM_QK)
-                add_rows(DV, cols_g, col_ok, h, acc_v * dv_scale, DIM_V)
+                tl.atomic_add(dk_ptrs, (acc_k * dk_scale).to(DK.ptr.dtype.element_ty), mask=dk_mask, sem="relaxed")
+                tl.atomic_add(dv_ptrs, (acc_v * dv_scale).to(DV.ptr.dtype.element_ty), mask=dv_mask, sem="relaxed")
             else:
-                store_rows(DK, cols_g, col_ok, h, acc_k * dk_scale, DIM_QK)
-                store_rows(DV, cols_g, col_ok, h, acc_v * dv_scale, DIM_V)
+                tl.store(dk_ptrs, (acc_k * dk_scale).to(DK.ptr.dtype.element_ty), mask=dk_mask)
+                tl.store(dv_ptrs, (acc_v * dv_scale).to(DV.ptr.dtype.element_ty), mask=dv_mask)

@@ -8,16 +8,18 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from ..._errors import bad_value
 from .args import FixedRule, Func, jagged
 from .backward import hstu_backward_dkdv_kernel, hstu_backward_dq_kernel
 from .config import tiles
 from .debug import poisoning
 from .forward import hstu_forward_kernel
+from .limits import MAX_HEAD_DIM, MIN_HEAD_DIM, head_dim_supported, tile_dim
 from .plan import _plan_kernel
 from .rules import BIG, MODE_CAUSAL, MODE_FIXED, MODE_FUNC
 from .tables import BlockTables
 
-_NEVER_SPLIT = 2**31 - 1
+_NEVER_SPLIT = int(BIG)
 """A chunk longer than any key block's query range (in query blocks)."""
 
 
@@ -70,8 +72,9 @@ def _last_dim_contiguous(*xs: torch.Tensor) -> list[torch.Tensor]:
 def _attention_args(q, k, v, offs, vis: Visibility, alpha: float, interpreting: bool) -> dict:
     """Arguments of the three attention kernels: Q, K, V, the mask, the head dims, the sigmoid switch
     (tanh.approx on the GPU; the interpreter has no inline PTX)."""
-    return dict(Q=jagged(q), K=jagged(k), V=jagged(v), OFFS=offs, alpha=alpha, DIM_QK=q.shape[2], DIM_V=v.shape[2],
-                FAST_SIGMOID=not interpreting, **vis.kernel_args(offs))
+    dqk, dv = q.shape[2], v.shape[2]
+    return dict(Q=jagged(q), K=jagged(k), V=jagged(v), OFFS=offs, alpha=alpha, DIM_QK=dqk, DIM_V=dv,
+                TILE_QK=tile_dim(dqk), TILE_V=tile_dim(dv), FAST_SIGMOID=not interpreting, **vis.kernel_args(offs))
 
 
 def _query_major_args(vis: Visibility) -> dict:
@@ -87,7 +90,7 @@ def forward(q, k, v, offs, vis: Visibility, alpha: float, out_scale: float,
     if total == 0:
         return out
     interpreting = _interpreting()
-    tile = tiles(dqk, v.shape[2], interpreting).forward
+    tile = tiles(tile_dim(dqk), tile_dim(v.shape[2]), interpreting).forward
     tables = tables if tables is not None else BlockTables(offs, total)
     qtab, nqb = tables.table(tile.block_m)
     hstu_forward_kernel[(nqb, nheads)](
@@ -105,7 +108,7 @@ def backward(dout, q, k, v, offs, vis: Visibility, alpha: float, out_scale: floa
     if total == 0:
         return dq, _new_like(k), _new_like(v)
     interpreting = _interpreting()
-    _, tq, tkv = tiles(dqk, v.shape[2], interpreting)
+    _, tq, tkv = tiles(tile_dim(dqk), tile_dim(v.shape[2]), interpreting)
     args = _attention_args(q, k, v, offs, vis, alpha, interpreting)
     tables = tables if tables is not None else BlockTables(offs, total)
     qtab, nqb = tables.table(tq.block_m)
@@ -228,6 +231,9 @@ def triton_hstu_mha(q, k, v, seq_offsets, *, func=None, num_targets=None, causal
     ``max_seq_len`` is only a tuning hint (it sizes the split of long key-major ranges): any value,
     0 or smaller than the longest sequence included, gives the same result.
     """
+    for name, d in (("q.shape[2] (Dqk)", q.shape[2]), ("v.shape[2] (Dv)", v.shape[2])):
+        if not head_dim_supported(d):
+            raise bad_value(name, f"a head dim from {MIN_HEAD_DIM} to {MAX_HEAD_DIM} for the Triton kernels", d)
     # The kernels read offsets and num_targets as plain int64 / int arrays (no strides): made so here, once.
     offs = seq_offsets.to(torch.int64).contiguous()
     if num_targets is not None:

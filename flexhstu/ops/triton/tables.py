@@ -29,9 +29,10 @@ def locate_block(TAB, OFFS, flat, BLOCK: tl.constexpr):
     The block may lie past the sequence's end (a spare slot): callers test ``local * BLOCK < L``.
     """
     seq = tl.load(TAB + flat)
+    local = flat - first_block(OFFS, seq, BLOCK)
     seq_start = tl.load(OFFS + seq).to(tl.int64)
     length = (tl.load(OFFS + seq + 1) - seq_start).to(tl.int32)
-    return seq, flat - first_block(OFFS, seq, BLOCK), seq_start, length
+    return seq, local, seq_start, length
 
 
 @triton.jit
