@@ -292,3 +292,23 @@ def test_head_dim_above_the_limit_is_rejected_naming_the_argument():
     v = torch.zeros(4, 1, MAX_HEAD_DIM + 1, device=DEVICE)
     with pytest.raises(ValueError, match=r"v.shape\[2\] \(Dv\).*got 257"):
         triton_hstu_mha(q, q, v, offsets_from([4]).to(DEVICE), alpha=1.0, out_scale=1.0, max_seq_len=4)
+
+
+@pytest.mark.parametrize("allow_tf32", [True, False])
+def test_fp32_dot_precision_follows_allow_tf32(allow_tf32):
+    # The interpreter computes both precisions exactly, so this checks the constexpr the kernels are launched with.
+    from flexhstu.ops.triton.op import Visibility, _attention_args
+    from flexhstu.ops.triton.rules import MODE_CAUSAL
+
+    offs = offsets_from([4])
+    x32, x16 = torch.zeros(4, 1, 16), torch.zeros(4, 1, 16, dtype=torch.float16)
+    vis = Visibility(int(MODE_CAUSAL))
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+    try:
+        fp32 = _attention_args(x32, x32, x32, offs, vis, 1.0, True)["DOT_PRECISION"]
+        fp16 = _attention_args(x16, x16, x16, offs, vis, 1.0, True)["DOT_PRECISION"]
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+    assert fp32 == ("tf32" if allow_tf32 else "ieee")
+    assert fp16 == "tf32"

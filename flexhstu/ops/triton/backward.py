@@ -30,16 +30,16 @@ from .tables import first_block, locate_block
 @triton.jit
 def dq_block(q, do, K, V, h, seq_start, L, n0, rows, alpha, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr,
              DIM_V: tl.constexpr, TILE_QK: tl.constexpr, TILE_V: tl.constexpr, CAUSAL_MASK: tl.constexpr,
-             FAST_SIGMOID: tl.constexpr):
+             FAST_SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Key block ``n0``: ``(dS / c, k)`` with ``dS / c = (do v^T) silu'(s)``, zeroed above the diagonal
     when CAUSAL_MASK."""
     cols = n0 + tl.arange(0, BLOCK_N)
     col_ok = cols < L
     k = load_rows(K, seq_start + cols, col_ok, h, DIM_QK, TILE_QK)
     v = load_rows(V, seq_start + cols, col_ok, h, DIM_V, TILE_V)
-    s = tl.dot(q, tl.trans(k)) * alpha
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * alpha
     sig = sigmoid(s, FAST_SIGMOID)
-    ds = tl.dot(do, tl.trans(v)) * sig * (1.0 + s * (1.0 - sig))
+    ds = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION) * sig * (1.0 + s * (1.0 - sig))
     if CAUSAL_MASK:
         ds = tl.where(cols[None, :] <= rows[:, None], ds, 0.0)
     return ds, k
@@ -50,7 +50,7 @@ def hstu_backward_dq_kernel(
     Q, K, V, DO, DQ, func, rule, OFFS, QTAB, n_flat,
     alpha, dq_scale,  # dq_scale = alpha / scaling
     NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_TARGETS: tl.constexpr, INTERVALS_POW2: tl.constexpr,
-    INTERVALS_IN_REGISTERS: tl.constexpr, FAST_SIGMOID: tl.constexpr,
+    INTERVALS_IN_REGISTERS: tl.constexpr, FAST_SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr, DIM_V: tl.constexpr,
     TILE_QK: tl.constexpr, TILE_V: tl.constexpr,
 ):
@@ -60,7 +60,8 @@ def hstu_backward_dq_kernel(
         Q=Q, DO=DO, K=K, V=V, OUT=DQ, func=func, rule=rule, OFFS=OFFS, QTAB=QTAB, n_flat=n_flat, alpha=alpha,
         out_scale=dq_scale, BLOCK_FN=dq_block, WITH_DO=True, OUT_DIM=DIM_QK, OUT_TILE=TILE_QK, NFUNC=NFUNC,
         MODE=MODE, HAS_TARGETS=HAS_TARGETS, INTERVALS_POW2=INTERVALS_POW2,
-        INTERVALS_IN_REGISTERS=INTERVALS_IN_REGISTERS, FAST_SIGMOID=FAST_SIGMOID, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        INTERVALS_IN_REGISTERS=INTERVALS_IN_REGISTERS, FAST_SIGMOID=FAST_SIGMOID, DOT_PRECISION=DOT_PRECISION,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK, TILE_V=TILE_V)
 
 
@@ -70,7 +71,7 @@ def hstu_backward_dkdv_kernel(
     plan_head, n_qblocks, n_kblocks, n_split, chunk,
     alpha, dk_scale, dv_scale,  # alpha / scaling, 1 / scaling
     NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_TARGETS: tl.constexpr, INTERVALS_POW2: tl.constexpr,
-    FAST_SIGMOID: tl.constexpr,
+    FAST_SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr, DIM_V: tl.constexpr,
     TILE_QK: tl.constexpr, TILE_V: tl.constexpr,
 ):
@@ -123,10 +124,10 @@ def hstu_backward_dkdv_kernel(
                     hhi = tl.load(b + INTERVALS_POW2)
                     clo = tl.load(b + 2 * INTERVALS_POW2)
                     chi = tl.load(b + 3 * INTERVALS_POW2)
-                s = tl.dot(k, tl.trans(q)) * alpha  # (BLOCK_N, BLOCK_M): S^T
+                s = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * alpha  # (BLOCK_N, BLOCK_M): S^T
                 sig = sigmoid(s, FAST_SIGMOID)
                 p = s * sig
-                dp = tl.dot(v, tl.trans(do))
+                dp = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
                 ds = dp * sig * (1.0 + s * (1.0 - sig))
                 if not block_is_full(n0, n1, clo, chi):
                     # Intervals are re-read here rather than held in registers: along this kernel's
@@ -137,8 +138,8 @@ def hstu_backward_dkdv_kernel(
                                               BLOCK_N=BLOCK_N, TRANS=True)
                     p = tl.where(vis, p, 0.0)
                     ds = tl.where(vis, ds, 0.0)
-                acc_v += tl.dot(p.to(do.dtype), do)
-                acc_k += tl.dot(ds.to(q.dtype), q)
+                acc_v += tl.dot(p.to(do.dtype), do, input_precision=DOT_PRECISION)
+                acc_k += tl.dot(ds.to(q.dtype), q, input_precision=DOT_PRECISION)
             dk_ptrs = tile_ptrs(DK, cols_g, h, TILE_QK)
             dv_ptrs = tile_ptrs(DV, cols_g, h, TILE_V)
             dk_mask = tile_mask(col_ok, DIM_QK, TILE_QK)

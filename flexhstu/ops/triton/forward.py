@@ -13,7 +13,7 @@ from .silu import sigmoid
 @triton.jit
 def attend(q, do, K, V, h, seq_start, L, n0, rows, alpha, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr,
            DIM_V: tl.constexpr, TILE_QK: tl.constexpr, TILE_V: tl.constexpr, CAUSAL_MASK: tl.constexpr,
-           FAST_SIGMOID: tl.constexpr):
+           FAST_SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Key block ``n0``: ``(silu(alpha q k^T), v)``, the silu zeroed above the diagonal when CAUSAL_MASK.
 
     ``do`` is unused (the dQ kernel's block function takes it).
@@ -22,7 +22,7 @@ def attend(q, do, K, V, h, seq_start, L, n0, rows, alpha, BLOCK_N: tl.constexpr,
     col_ok = cols < L
     k = load_rows(K, seq_start + cols, col_ok, h, DIM_QK, TILE_QK)
     v = load_rows(V, seq_start + cols, col_ok, h, DIM_V, TILE_V)
-    s = tl.dot(q, tl.trans(k)) * alpha
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * alpha
     p = s * sigmoid(s, FAST_SIGMOID)
     if CAUSAL_MASK:
         p = tl.where(cols[None, :] <= rows[:, None], p, 0.0)
@@ -34,7 +34,7 @@ def hstu_forward_kernel(
     Q, K, V, OUT, func, rule, OFFS, QTAB, n_flat,
     alpha, out_scale,  # out_scale = 1 / scaling_seqlen
     NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_TARGETS: tl.constexpr, INTERVALS_POW2: tl.constexpr,
-    INTERVALS_IN_REGISTERS: tl.constexpr, FAST_SIGMOID: tl.constexpr,
+    INTERVALS_IN_REGISTERS: tl.constexpr, FAST_SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr, DIM_V: tl.constexpr,
     TILE_QK: tl.constexpr, TILE_V: tl.constexpr,
 ):
@@ -44,5 +44,6 @@ def hstu_forward_kernel(
         Q=Q, DO=Q, K=K, V=V, OUT=OUT, func=func, rule=rule, OFFS=OFFS, QTAB=QTAB, n_flat=n_flat, alpha=alpha,
         out_scale=out_scale, BLOCK_FN=attend, WITH_DO=False, OUT_DIM=DIM_V, OUT_TILE=TILE_V, NFUNC=NFUNC,
         MODE=MODE, HAS_TARGETS=HAS_TARGETS, INTERVALS_POW2=INTERVALS_POW2,
-        INTERVALS_IN_REGISTERS=INTERVALS_IN_REGISTERS, FAST_SIGMOID=FAST_SIGMOID, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        INTERVALS_IN_REGISTERS=INTERVALS_IN_REGISTERS, FAST_SIGMOID=FAST_SIGMOID, DOT_PRECISION=DOT_PRECISION,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK, TILE_V=TILE_V)

@@ -69,12 +69,21 @@ def _last_dim_contiguous(*xs: torch.Tensor) -> list[torch.Tensor]:
     return [x if x.stride(-1) == 1 else x.contiguous() for x in xs]
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot`` input precision: float32 inputs honour ``torch.backends.cuda.matmul.allow_tf32``
+    (IEEE fp32 products when it is False); half types multiply exactly in any case ("tf32", the default)."""
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
 def _attention_args(q, k, v, offs, vis: Visibility, alpha: float, interpreting: bool) -> dict:
     """Arguments of the three attention kernels: Q, K, V, the mask, the head dims, the sigmoid switch
-    (tanh.approx on the GPU; the interpreter has no inline PTX)."""
+    (tanh.approx on the GPU; the interpreter has no inline PTX), the dot precision."""
     dqk, dv = q.shape[2], v.shape[2]
     return dict(Q=jagged(q), K=jagged(k), V=jagged(v), OFFS=offs, alpha=alpha, DIM_QK=dqk, DIM_V=dv,
-                TILE_QK=tile_dim(dqk), TILE_V=tile_dim(dv), FAST_SIGMOID=not interpreting, **vis.kernel_args(offs))
+                TILE_QK=tile_dim(dqk), TILE_V=tile_dim(dv), FAST_SIGMOID=not interpreting,
+                DOT_PRECISION=dot_precision(q.dtype), **vis.kernel_args(offs))
 
 
 def _query_major_args(vis: Visibility) -> dict:

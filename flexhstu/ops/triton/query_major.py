@@ -32,6 +32,7 @@ from .tables import locate_block
 def query_major_walk(acc, q, do, K, V, func, rule, h, seq, seq_start, L, m0, rows, row_ok, rows_g, alpha,
                      BLOCK_FN: tl.constexpr, NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_TARGETS: tl.constexpr,
                      INTERVALS_POW2: tl.constexpr, INTERVALS_IN_REGISTERS: tl.constexpr, FAST_SIGMOID: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr, DIM_V: tl.constexpr,
                      TILE_QK: tl.constexpr, TILE_V: tl.constexpr):
     """``acc (BLOCK_M, D)`` plus the contribution of every key block that query block ``m0`` sees.
@@ -46,13 +47,13 @@ def query_major_walk(acc, q, do, K, V, func, rule, h, seq, seq_start, L, m0, row
         for kb in range(0, n_full):
             x, y = BLOCK_FN(q=q, do=do, K=K, V=V, h=h, seq_start=seq_start, L=L, n0=kb * BLOCK_N, rows=rows,
                             alpha=alpha, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK, TILE_V=TILE_V,
-                            CAUSAL_MASK=False, FAST_SIGMOID=FAST_SIGMOID)
-            acc += tl.dot(x.to(y.dtype), y)
+                            CAUSAL_MASK=False, FAST_SIGMOID=FAST_SIGMOID, DOT_PRECISION=DOT_PRECISION)
+            acc += tl.dot(x.to(y.dtype), y, input_precision=DOT_PRECISION)
         for kb in range(n_full, n_end):
             x, y = BLOCK_FN(q=q, do=do, K=K, V=V, h=h, seq_start=seq_start, L=L, n0=kb * BLOCK_N, rows=rows,
                             alpha=alpha, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK, TILE_V=TILE_V,
-                            CAUSAL_MASK=True, FAST_SIGMOID=FAST_SIGMOID)
-            acc += tl.dot(x.to(y.dtype), y)
+                            CAUSAL_MASK=True, FAST_SIGMOID=FAST_SIGMOID, DOT_PRECISION=DOT_PRECISION)
+            acc += tl.dot(x.to(y.dtype), y, input_precision=DOT_PRECISION)
     else:
         targets = sequence_targets(rule, seq, HAS_TARGETS)
         func_h = head_func(func, h)  # a new name: the tuple's field types differ
@@ -69,7 +70,7 @@ def query_major_walk(acc, q, do, K, V, func, rule, h, seq, seq_start, L, m0, row
             n0 = kv_block_at(it, kstart, klen, kcum) * BLOCK_N
             x, y = BLOCK_FN(q=q, do=do, K=K, V=V, h=h, seq_start=seq_start, L=L, n0=n0, rows=rows,
                             alpha=alpha, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK, TILE_V=TILE_V,
-                            CAUSAL_MASK=False, FAST_SIGMOID=FAST_SIGMOID)
+                            CAUSAL_MASK=False, FAST_SIGMOID=FAST_SIGMOID, DOT_PRECISION=DOT_PRECISION)
             if not block_is_full(n0, tl.minimum(n0 + BLOCK_N, L), clo, chi):
                 cols = n0 + tl.arange(0, BLOCK_N)
                 if INTERVALS_IN_REGISTERS:
@@ -82,7 +83,7 @@ def query_major_walk(acc, q, do, K, V, func, rule, h, seq, seq_start, L, m0, row
                                               MODE=MODE, HAS_TARGETS=HAS_TARGETS, INTERVALS_POW2=INTERVALS_POW2,
                                               BLOCK_N=BLOCK_N, TRANS=False)
                 x = tl.where(vis, x, 0.0)
-            acc += tl.dot(x.to(y.dtype), y)
+            acc += tl.dot(x.to(y.dtype), y, input_precision=DOT_PRECISION)
     return acc
 
 
@@ -91,7 +92,8 @@ def query_major_program(Q, DO, K, V, OUT, func, rule, OFFS, QTAB, n_flat, alpha,
                         BLOCK_FN: tl.constexpr, WITH_DO: tl.constexpr, OUT_DIM: tl.constexpr, OUT_TILE: tl.constexpr,
                         NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_TARGETS: tl.constexpr,
                         INTERVALS_POW2: tl.constexpr, INTERVALS_IN_REGISTERS: tl.constexpr,
-                        FAST_SIGMOID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        FAST_SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr,
                         DIM_QK: tl.constexpr, DIM_V: tl.constexpr, TILE_QK: tl.constexpr, TILE_V: tl.constexpr):
     """One query-major program: locate its query block (last flat blocks first: under causal-like masks
     they carry the most key blocks), load ``q`` (and ``do`` when WITH_DO), walk, store
@@ -110,7 +112,7 @@ def query_major_program(Q, DO, K, V, OUT, func, rule, OFFS, QTAB, n_flat, alpha,
             h=h,
             seq=seq, seq_start=seq_start, L=L, m0=m0, rows=rows, row_ok=row_ok, rows_g=rows_g, alpha=alpha,
             BLOCK_FN=BLOCK_FN, NFUNC=NFUNC, MODE=MODE, HAS_TARGETS=HAS_TARGETS, INTERVALS_POW2=INTERVALS_POW2,
-            INTERVALS_IN_REGISTERS=INTERVALS_IN_REGISTERS, FAST_SIGMOID=FAST_SIGMOID,
+            INTERVALS_IN_REGISTERS=INTERVALS_IN_REGISTERS, FAST_SIGMOID=FAST_SIGMOID, DOT_PRECISION=DOT_PRECISION,
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK,
             TILE_V=TILE_V)
         store_rows(OUT, rows_g, row_ok, h, acc * out_scale, OUT_DIM, OUT_TILE)
