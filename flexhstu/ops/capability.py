@@ -14,14 +14,7 @@ import os
 import torch
 
 from ..masks.rules import FixedRule
-
-# mirrors flexhstu/ops/triton/limits.py
-MAX_HEAD_DIM = 256
-
-
-def head_dim_supported(d: int) -> bool:
-    # mirrors flexhstu/ops/triton/limits.py
-    return 16 <= d <= MAX_HEAD_DIM
+from .triton.limits import MAX_HEAD_DIM, MIN_HEAD_DIM, head_dim_supported
 
 
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -43,7 +36,7 @@ def triton_unsupported_reason(
         return f"q.dtype: expected float16, bfloat16 or float32 for Kernel.TRITON, got {q.dtype}"
     for name, d in (("q.shape[2] (Dqk)", q.shape[2]), ("v.shape[2] (Dv)", v.shape[2])):
         if not head_dim_supported(d):
-            return f"{name}: expected a head dim from 16 to {MAX_HEAD_DIM} for Kernel.TRITON, got {d}"
+            return f"{name}: expected a head dim from {MIN_HEAD_DIM} to {MAX_HEAD_DIM} for Kernel.TRITON, got {d}"
     if dropout_pr > 0.0:
         return f"dropout_pr: expected 0.0 (or training=False) for Kernel.TRITON, which has no dropout, got {dropout_pr}"
     if isinstance(mask, FixedRule) and not mask.causal:

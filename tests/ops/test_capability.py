@@ -28,8 +28,8 @@ def qkv(dqk=16, dv=16, dtype=torch.float32):
 
 UNSUPPORTED = {
     "float64": (dict(dtype=torch.float64), {}, r"q.dtype: expected float16, bfloat16 or float32 .*got torch.float64"),
-    "dqk-8": (dict(dqk=8), {}, r"q.shape\[2\] \(Dqk\): expected a head dim from 16 to 256 .*got 8"),
-    "dv-512": (dict(dv=512), {}, r"v.shape\[2\] \(Dv\): expected a head dim from 16 to 256 .*got 512"),
+    "dqk-300": (dict(dqk=300), {}, r"q.shape\[2\] \(Dqk\): expected a head dim from 1 to 256 .*got 300"),
+    "dv-512": (dict(dv=512), {}, r"v.shape\[2\] \(Dv\): expected a head dim from 1 to 256 .*got 512"),
     "dropout": ({}, dict(dropout_pr=0.2), r"dropout_pr: expected 0.0 \(or training=False\) .*got 0.2"),
     "non-causal-targets": (
         {}, dict(causal=False, num_targets=torch.tensor([1, 1])), r"causal: expected True with num_targets"
