@@ -128,9 +128,9 @@ class NormLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        # Pieces with no gradient arrive as zeros (autograd materialises them for Functions by default).
         x, mean, rstd, norm_weight, norm_bias, weight = ctx.saved_tensors
-        grads = [x.new_zeros(x.shape[0], n) if g is None else g for g, n in zip(grads, ctx.sizes)]
-        return *ctx.bodies.norm_linear_backward(grads, x, mean, rstd, norm_weight, norm_bias, weight, ctx.eps,
+        return *ctx.bodies.norm_linear_backward(list(grads), x, mean, rstd, norm_weight, norm_bias, weight, ctx.eps,
                                                 ctx.sizes), None, None, None
 
 
