@@ -2,19 +2,31 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._errors import bad_type, bad_value
 from ..ops import Kernel, hstu_mha
+from .stu_lean import EAGER, GatedOutput, NormLinear, compiled_bodies, dropout_keep, gate
 
 
 @dataclass(kw_only=True)
 class STULayerConfig:
-    """One STU layer's sizes. Keyword-only: the generative-recommenders config orders its fields differently
-    (``hidden_dim`` before ``attention_dim``), so a positional call could swap them silently."""
+    """Sizes and execution of an STU layer. Keyword-only: the generative-recommenders config orders its
+    fields differently (``hidden_dim`` before ``attention_dim``), so a positional call could swap them.
+
+    ``recompute``: the lean body (``flexhstu.nn.stu_lean``), which saves x, uvqk, the attention output
+    and the norm statistics and rebuilds the rest in the backward; same forward, gradients equal to
+    rounding. ``compile``: fuse the body's memory-bound steps with ``torch.compile(backend=
+    compile_backend)``: with ``recompute`` the lean functions' forward and backward bodies are compiled
+    (what is saved stays as designed), without it the whole plain body is. ``None`` (the default)
+    compiles for CUDA inputs only: on the CPU, compiling costs more than it saves for the small
+    models trained there. The attention is ``hstu_mha`` in every case.
+    """
 
     embedding_dim: int = 64
     num_heads: int = 2
@@ -22,13 +34,30 @@ class STULayerConfig:
     hidden_dim: int = 32  # per head, for u and v
     dropout: float = 0.1
     kernel: Kernel = Kernel.AUTO
+    recompute: bool = True
+    compile: bool | None = None
+    compile_backend: str = "inductor"
+
+    def __post_init__(self):
+        for name in ("embedding_dim", "num_heads", "attention_dim", "hidden_dim"):
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise bad_value(name, "a positive int", val)
+        if not (0.0 <= float(self.dropout) < 1.0):
+            raise bad_value("dropout", "a probability in [0, 1)", self.dropout)
+        if not isinstance(self.recompute, bool):
+            raise bad_type("recompute", "a bool", type(self.recompute).__name__)
+        if self.compile is not None and not isinstance(self.compile, bool):
+            raise bad_type("compile", "None (compile on CUDA only) or a bool", type(self.compile).__name__)
+        if not isinstance(self.compile_backend, str):
+            raise bad_type("compile_backend", "a torch.compile backend name", type(self.compile_backend).__name__)
 
 
 class STULayer(nn.Module):
-    """x -> LN -> [u|v|q|k] -> u = silu(u) -> a = hstu_mha(q, k, v) -> y = u * LN(a) -> dropout -> W [u, a, y] -> + x.
+    """x -> LN -> [u|v|q|k] -> a = hstu_mha(q, k, v) -> y = dropout(silu(u) * LN(a)) -> x + W [silu(u), a, y].
 
-    Takes jagged ``x (total, D)``; the mask (``attn_func`` or the fixed-rule arguments) is built once
-    per batch by the caller and passed through ``mask_kwargs``.
+    Takes jagged ``x (total, D)`` and returns ``(total, D)``; the mask (``attn_func`` or the fixed-rule
+    arguments) is built once per batch by the caller and passed through ``mask_kwargs``.
     """
 
     def __init__(self, cfg: STULayerConfig):
@@ -39,17 +68,52 @@ class STULayer(nn.Module):
         self.uvqk = nn.Linear(cfg.embedding_dim, h * (2 * dh + 2 * da))
         self.attn_norm = nn.LayerNorm(h * dh)
         self.out = nn.Linear(3 * h * dh, cfg.embedding_dim)
-        self.dropout = nn.Dropout(cfg.dropout)
+
+    def compiles(self, x: torch.Tensor) -> bool:
+        """Whether ``forward(x, ...)`` compiles (never when the caller already runs under torch.compile)."""
+        if torch.compiler.is_compiling():
+            return False
+        return x.is_cuda if self.cfg.compile is None else self.cfg.compile
 
     def forward(self, x: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int, **mask_kwargs) -> torch.Tensor:
+        compiles = self.compiles(x)
+        if compiles and not self.cfg.recompute:
+            return _compiled_body(self.cfg.compile_backend)(self, x, seq_offsets, max_seq_len, mask_kwargs)
+        bodies = compiled_bodies(self.cfg.compile_backend) if compiles else EAGER
+        return self.body(x, seq_offsets, max_seq_len, mask_kwargs, bodies)
+
+    def body(self, x: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int, mask_kwargs: dict,
+             bodies=EAGER) -> torch.Tensor:
+        """The layer: the lean functions (running ``bodies``) when ``cfg.recompute``, else plain autograd."""
         cfg = self.cfg
         h, da, dh = cfg.num_heads, cfg.attention_dim, cfg.hidden_dim
-        u, v, q, k = torch.split(self.uvqk(self.norm(x)), [h * dh, h * dh, h * da, h * da], dim=-1)
-        u = F.silu(u)
+        sizes = [h * dh, h * dh, h * da, h * da]
+        p = cfg.dropout if self.training else 0.0
+        keep = dropout_keep((x.shape[0], h * dh), p, x.device) if p > 0.0 else None
+        if cfg.recompute:
+            u, v, q, k = NormLinear.apply(x, self.norm.weight, self.norm.bias, self.uvqk.weight, self.uvqk.bias,
+                                          self.norm.eps, sizes, bodies)
+        else:
+            u, v, q, k = torch.split(self.uvqk(self.norm(x)), sizes, dim=-1)
+        # q, k, v stay views of the projection's output: the attention saves them without a copy.
         a = hstu_mha(max_seq_len, None, q.reshape(-1, h, da), k.reshape(-1, h, da), v.reshape(-1, h, dh), seq_offsets,
                      kernel=cfg.kernel, **mask_kwargs).reshape(-1, h * dh)
-        y = self.dropout(u * self.attn_norm(a))
-        return x + self.out(torch.cat([u, a, y], dim=-1))
+        if cfg.recompute:
+            return GatedOutput.apply(x, u, a, self.attn_norm.weight, self.attn_norm.bias, self.out.weight,
+                                     self.out.bias, self.attn_norm.eps, keep, p, bodies)
+        su = F.silu(u)
+        y = gate(su, self.attn_norm(a), keep, p)
+        return x + self.out(torch.cat([su, a, y], dim=-1))
+
+
+def _run_body(layer: STULayer, x, seq_offsets, max_seq_len, mask_kwargs):
+    return layer.body(x, seq_offsets, max_seq_len, mask_kwargs)
+
+
+@functools.cache
+def _compiled_body(backend: str):
+    """The plain body under torch.compile; one function for every layer (parameters are graph inputs)."""
+    return torch.compile(_run_body, backend=backend)
 
 
 class STUStack(nn.Module):

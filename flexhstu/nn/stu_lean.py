@@ -1,0 +1,155 @@
+"""The STU layer body with recomputation: autograd functions that save only what is dear to rebuild.
+
+Per layer the backward keeps ``x (total, D)``, ``uvqk (total, 2 h dh + 2 h da)`` (which the attention
+keeps alive anyway: q, k and v are views of it), the attention output ``a (total, h dh)``, the two
+layer norms' statistics ``(total, 1)`` and, with dropout, the keep-mask as bool ``(total, h dh)``.
+Everything else (LN(x), silu(u), LN(a), y, the concatenation ``[u, a, y]``) is pointwise in those and
+is rebuilt in the backward, which costs less than writing it out in the forward and reading it back.
+
+Both functions also avoid the concatenations a plain autograd graph makes: the projection's output
+is handed on as four views (so their gradients arrive separately and are never concatenated) and
+the output projection's weight gradient is taken piece by piece from ``silu(u)``, ``a`` and ``y``.
+
+The forward and backward bodies are plain functions of tensors; with a ``torch.compile`` backend
+each is compiled on its own (no autograd inside, so the compiler fuses the pointwise work around the
+matmuls but cannot change what is saved).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+
+def dropout_keep(shape: tuple[int, ...], p: float, device: torch.device) -> torch.Tensor:
+    """Bool keep-mask of ``shape``, each element kept with probability ``1 - p``.
+
+    The eager and the lean layer both draw their dropout through this, so under one seed they use
+    the same mask (``nn.Dropout`` draws differently on CPU and on CUDA).
+    """
+    return torch.rand(shape, device=device) >= p
+
+
+def gate(su: torch.Tensor, an: torch.Tensor, keep: torch.Tensor | None, p: float) -> torch.Tensor:
+    """``y = dropout(su * an)`` with a given keep-mask: the one formula the forward and every rebuild use."""
+    y = su * an
+    return y if keep is None else y * keep / (1 - p)
+
+
+def norm_linear_forward(x, norm_weight, norm_bias, weight, bias, eps: float):
+    """``x (total, D) -> (Linear(LN(x)) (total, W), mean (total, 1), rstd (total, 1))``."""
+    xn, mean, rstd = torch.native_layer_norm(x, [x.shape[-1]], norm_weight, norm_bias, eps)
+    return F.linear(xn, weight, bias), mean, rstd
+
+
+def norm_linear_backward(grads: list[torch.Tensor], x, mean, rstd, norm_weight, norm_bias, weight, eps: float,
+                         sizes: list[int]):
+    """Gradients of ``norm_linear_forward`` from one gradient per output piece (``sizes`` columns each)."""
+    w_parts = torch.split(weight, sizes, dim=0)
+    d_xn = grads[0] @ w_parts[0]
+    for g, w in zip(grads[1:], w_parts[1:]):
+        d_xn = torch.addmm(d_xn, g, w)
+    d_weight = _norm_linear_weight_grad(grads, x, norm_weight, norm_bias, eps)
+    d_bias = torch.cat([g.sum(0) for g in grads])
+    dx, d_norm_weight, d_norm_bias = torch.ops.aten.native_layer_norm_backward(
+        d_xn, x, [x.shape[-1]], mean, rstd, norm_weight, norm_bias, [True, True, True])
+    return dx, d_norm_weight, d_norm_bias, d_weight, d_bias
+
+
+def _norm_linear_weight_grad(grads, x, norm_weight, norm_bias, eps: float):
+    # Re-running the norm (one more read of x) rebuilds LN(x) bit for bit, as the forward had it; it
+    # lives only for the weight gradient.
+    xn = torch.native_layer_norm(x, [x.shape[-1]], norm_weight, norm_bias, eps)[0]
+    return torch.cat([g.t() @ xn for g in grads], dim=0)
+
+
+def gated_output_forward(x, u, a, norm_weight, norm_bias, weight, bias, eps: float, keep, p: float):
+    """``x + Linear([silu(u), a, gate(silu(u), LN(a))])`` and the LN(a) statistics ``(total, 1)`` twice."""
+    su = F.silu(u)
+    an, mean, rstd = torch.native_layer_norm(a, [a.shape[-1]], norm_weight, norm_bias, eps)
+    out = x + F.linear(torch.cat([su, a, gate(su, an, keep, p)], dim=-1), weight, bias)
+    return out, mean, rstd
+
+
+def gated_output_backward(g, u, a, mean, rstd, norm_weight, norm_bias, weight, eps: float, keep, p: float):
+    """Gradients of ``gated_output_forward`` for u, a, the norm's weight and bias, and the linear's weight and bias."""
+    d_u, d_an, d_weight = _through_gate(g, u, a, norm_weight, norm_bias, weight, eps, keep, p)
+    da, d_norm_weight, d_norm_bias = torch.ops.aten.native_layer_norm_backward(
+        d_an, a, [u.shape[-1]], mean, rstd, norm_weight, norm_bias, [True, True, True])
+    w_a = torch.split(weight, u.shape[-1], dim=1)[1]
+    return d_u, torch.addmm(da, g, w_a), d_norm_weight, d_norm_bias, d_weight, g.sum(0)
+
+
+def _through_gate(g, u, a, norm_weight, norm_bias, weight, eps: float, keep, p: float):
+    # (d u, d LN(a), d weight): silu(u) and LN(a) are rebuilt here and die on return.
+    n = u.shape[-1]
+    w_u, _, w_y = torch.split(weight, n, dim=1)
+    su = F.silu(u)
+    an = torch.native_layer_norm(a, [n], norm_weight, norm_bias, eps)[0]
+    d_weight = torch.cat([g.t() @ su, g.t() @ a, g.t() @ gate(su, an, keep, p)], dim=1)
+    d_y = g @ w_y
+    if keep is not None:
+        d_y = d_y * keep / (1 - p)
+    d_u = torch.ops.aten.silu_backward(torch.addmm(d_y * an, g, w_u), u)
+    return d_u, d_y * su, d_weight
+
+
+class Bodies(NamedTuple):
+    norm_linear_forward: object
+    norm_linear_backward: object
+    gated_output_forward: object
+    gated_output_backward: object
+
+
+EAGER = Bodies(norm_linear_forward, norm_linear_backward, gated_output_forward, gated_output_backward)
+
+
+@functools.cache
+def compiled_bodies(backend: str) -> Bodies:
+    """The four bodies under ``torch.compile(backend=backend)``, compiled once per process and backend."""
+    return Bodies(*(torch.compile(f, backend=backend) for f in EAGER))
+
+
+class NormLinear(torch.autograd.Function):
+    """``x (total, D) -> split(Linear(LN(x)), sizes)``: saves x and the LN statistics, not LN(x).
+
+    Returns one view per entry of ``sizes`` into a single ``(total, sum(sizes))`` buffer.
+    """
+
+    @staticmethod
+    def forward(ctx, x, norm_weight, norm_bias, weight, bias, eps: float, sizes: list[int], bodies: Bodies):
+        out, mean, rstd = bodies.norm_linear_forward(x, norm_weight, norm_bias, weight, bias, eps)
+        ctx.save_for_backward(x, mean, rstd, norm_weight, norm_bias, weight)
+        ctx.eps, ctx.sizes, ctx.bodies = eps, sizes, bodies
+        return tuple(torch.split(out, sizes, dim=-1))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        # Pieces with no gradient arrive as zeros (autograd materialises them for Functions by default).
+        x, mean, rstd, norm_weight, norm_bias, weight = ctx.saved_tensors
+        return *ctx.bodies.norm_linear_backward(list(grads), x, mean, rstd, norm_weight, norm_bias, weight, ctx.eps,
+                                                ctx.sizes), None, None, None
+
+
+class GatedOutput(torch.autograd.Function):
+    """``x + Linear([silu(u), a, gate(silu(u), LN(a), keep)])`` for ``x (total, D)``, ``u, a (total, n)``.
+
+    Saves u, a, the LN(a) statistics and the keep-mask (``None`` without dropout); rebuilds the rest.
+    """
+
+    @staticmethod
+    def forward(ctx, x, u, a, norm_weight, norm_bias, weight, bias, eps: float, keep, p: float, bodies: Bodies):
+        out, mean, rstd = bodies.gated_output_forward(x, u, a, norm_weight, norm_bias, weight, bias, eps, keep, p)
+        ctx.save_for_backward(u, a, mean, rstd, norm_weight, norm_bias, weight, keep)
+        ctx.eps, ctx.p, ctx.bodies = eps, p, bodies
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        u, a, mean, rstd, norm_weight, norm_bias, weight, keep = ctx.saved_tensors
+        grads = ctx.bodies.gated_output_backward(g, u, a, mean, rstd, norm_weight, norm_bias, weight, ctx.eps, keep,
+                                                 ctx.p)
+        return g, *grads, None, None, None, None

@@ -1,0 +1,51 @@
+"""The STU benchmark's code path on the CPU, with a tiny configuration, and its errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from flexhstu import bench_stu
+
+TINY = ["--device", "cpu", "--layers", "2", "--dim", "16", "--heads", "2", "--head-dim", "8", "--batch", "3",
+        "--seq", "12", "--jagged-min", "0", "--jagged-max", "20", "--window", "4", "--sla-k1", "4", "--sla-k2", "2",
+        "--compile-backend", "aot_eager"]
+
+
+def test_suite_writes_one_row_per_configuration_and_variant(tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    variants = ["eager", "lean", "default"]  # the compiled ones are the next test's (compiling is slow on the CPU)
+    assert bench_stu.main(TINY + ["--suite", "--variants", *variants, "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    configs = [f"{m} {k}" for m, k in bench_stu.SUITE]
+    assert [(r["config"].rsplit(" ", 2)[0], r["variant"]) for r in rows] == [(c, v) for c in configs for v in variants]
+    assert all(r["step_ms"] > 0 and r["peak_gib"] is None for r in rows)
+    assert rows[0]["total"] == 3 * 12 and rows[0]["max_seq_len"] == 12
+    jagged = next(r for r in rows if "jagged" in r["config"])
+    assert 0 <= jagged["max_seq_len"] <= 20
+    table = capsys.readouterr().out
+    assert table.count("\n| ") == len(rows) + 1  # the header and one line per row
+
+
+def test_compiled_variants_run(tmp_path):
+    out = tmp_path / "rows.json"
+    assert bench_stu.main(TINY + ["--mask", "sla", "--variants", "compiled", "lean+compiled", "--json", str(out)]) == 0
+    assert [r["variant"] for r in json.loads(out.read_text())] == ["compiled", "lean+compiled"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error given without a CUDA device")
+def test_cuda_device_without_a_gpu_is_a_clear_error(capsys):
+    assert bench_stu.main(["--variants", "eager"]) == 2
+    assert "--device cuda needs a CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["--layers", "0"], "--layers: expected a positive int, got 0"),
+    (["--jagged-min", "9", "--jagged-max", "3"], "expected 0 <= min <= max, got 9, 3"),
+])
+def test_bad_sizes_name_the_option(args, words, capsys):
+    with pytest.raises(SystemExit):
+        bench_stu.main(TINY + args)
+    assert words in capsys.readouterr().err
