@@ -5,4 +5,4 @@ from .masks.format import HSTU_ARBITRARY_NFUNC
 from .ops import Kernel, hstu_mha
 
 __version__ = "0.1.0"
-__all__ = ["HSTU_ARBITRARY_NFUNC", "Kernel", "hstu_mha", "masks", "__version__"]
+__all__ = ["HSTU_ARBITRARY_NFUNC", "Kernel", "__version__", "hstu_mha", "masks"]

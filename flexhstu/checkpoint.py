@@ -50,10 +50,7 @@ def _remove_orphans(path: Path) -> None:
         pid = tmp.name[len(path.name) + 2:].split(".", 1)[0]
         if not pid.isdigit() or _alive(int(pid)):
             continue
-        try:
-            tmp.unlink()
-        except FileNotFoundError:  # another writer removed it first
-            pass
+        tmp.unlink(missing_ok=True)  # another writer may have removed it first
 
 
 def _alive(pid: int) -> bool:

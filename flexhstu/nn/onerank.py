@@ -34,7 +34,8 @@ class OneRankTokenizer(nn.Module):
 
     def forward(self, history: torch.Tensor, hist_offsets: torch.Tensor, candidates: torch.Tensor,
                 cand_offsets: torch.Tensor) -> OneRankBatch:
-        """history ``(T_h, D)`` jagged by ``hist_offsets``; candidates ``(C, D)`` jagged by ``cand_offsets`` (N_b each)."""
+        """history ``(T_h, D)`` jagged by ``hist_offsets``; candidates ``(C, D)`` jagged by ``cand_offsets``
+        (N_b each)."""
         g = self.group_size
         k = g - 1
         hist_offsets = hist_offsets.to(torch.int64)
@@ -44,16 +45,19 @@ class OneRankTokenizer(nn.Module):
         n_cand = cand_offsets[1:] - cand_offsets[:-1]
         total = history.shape[0] + candidates.shape[0] * g
         dev = history.device
-        hist_seq = torch.repeat_interleave(torch.arange(hist_len.numel(), device=dev), hist_len, output_size=history.shape[0])
+        hist_seq = torch.repeat_interleave(torch.arange(hist_len.numel(), device=dev), hist_len,
+                                           output_size=history.shape[0])
         hist_rows = offsets[:-1][hist_seq] + (torch.arange(history.shape[0], device=dev) - hist_offsets[:-1][hist_seq])
-        cand_seq = torch.repeat_interleave(torch.arange(n_cand.numel(), device=dev), n_cand, output_size=candidates.shape[0])
+        cand_seq = torch.repeat_interleave(torch.arange(n_cand.numel(), device=dev), n_cand,
+                                           output_size=candidates.shape[0])
         local = torch.arange(candidates.shape[0], device=dev) - cand_offsets[:-1][cand_seq]
         cand_rows = offsets[:-1][cand_seq] + hist_len[cand_seq] + local * g
         task_rows = cand_rows[:, None] + 1 + torch.arange(k, device=dev)[None, :]
         x = history.new_zeros(total, history.shape[1])
         x = x.index_put((hist_rows,), history)
         x = x.index_put((cand_rows,), candidates)
-        x = x.index_put((task_rows.reshape(-1),), self.tasks.expand(candidates.shape[0], k, -1).reshape(-1, history.shape[1]))
+        tasks = self.tasks.expand(candidates.shape[0], k, -1).reshape(-1, history.shape[1])
+        x = x.index_put((task_rows.reshape(-1),), tasks)
         lengths = offsets[1:] - offsets[:-1]
         max_len = int(lengths.max()) if lengths.numel() else 0
         return OneRankBatch(x, offsets, n_cand * g, cand_rows, task_rows, max_len)
@@ -71,7 +75,8 @@ class OneRankHead(nn.Module):
         return (z * self.readout).sum(-1) / z.shape[-1] ** 0.5 + self.bias
 
 
-def onerank_loss(scores: torch.Tensor, labels: torch.Tensor, cand_offsets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def onerank_loss(scores: torch.Tensor, labels: torch.Tensor, cand_offsets: torch.Tensor,
+                 temperature: float = 1.0) -> torch.Tensor:
     """Per-task binary cross-entropy plus per-request, per-task list-wise InfoNCE.
 
     scores, labels: ``(C, K)``. InfoNCE for a request and task averages, over its positives,

@@ -16,7 +16,6 @@ import torch
 from ..masks.rules import FixedRule
 from .triton.limits import MAX_HEAD_DIM, MIN_HEAD_DIM, head_dim_supported
 
-
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 

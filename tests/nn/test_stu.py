@@ -22,7 +22,8 @@ interpreting = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 
 def _stack(dropout: float, num_layers: int = 2, **kw) -> STUStack:
     torch.manual_seed(0)
-    return STUStack(STULayerConfig(embedding_dim=DIM, num_heads=HEADS, attention_dim=DQK, hidden_dim=DV, dropout=dropout, **kw), num_layers)
+    cfg = STULayerConfig(embedding_dim=DIM, num_heads=HEADS, attention_dim=DQK, hidden_dim=DV, dropout=dropout, **kw)
+    return STUStack(cfg, num_layers)
 
 
 def _step(stack: STUStack, seed: int = 7, **mask_kwargs) -> tuple[torch.Tensor, list[torch.Tensor]]:
