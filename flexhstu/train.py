@@ -36,7 +36,7 @@ from . import checkpoint
 from .cli.common import Parser, non_negative_int, positive_int, run, user_input
 from .data import load
 from .data.sequences import UserSequences, leave_one_out, user_sequences
-from .metrics import auc, hit_rate_and_ndcg, list_ndcg, target_rank
+from .metrics import auc, gauc, list_ndcg, metric_key, parse_metrics, ranks_to_metrics, target_rank
 from .models import HSTURetrieval, OneRankModel, Popularity, SASRecRetrieval, make_batch, make_requests
 from .models.ranking import TASKS, RankingRequests, collate, min_events
 from .nn import onerank_loss
@@ -92,6 +92,10 @@ def parse(argv=None) -> argparse.Namespace:
                           "change (reported on stderr); --out, --device, --stop-after, --quiet, --debug are free")
     p.add_argument("--stop-after", type=non_negative_int, default=0,
                    help="stop after this many epochs of this invocation (tests)")
+    p.add_argument("--metrics", default=None,
+                   help="extra evaluation metrics, comma-separated: hr@K, ndcg@K, mrr for retrieval; auc, gauc, "
+                        "ndcg@K for ranking (e.g. hr@50,ndcg@200,mrr). HR@10 and NDCG@10 (retrieval) or AUC and "
+                        "NDCG@10 per task (ranking) are always reported")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--debug", action="store_true", help="show the traceback of an input error")
@@ -104,6 +108,10 @@ def parse(argv=None) -> argparse.Namespace:
         p.error("--model onerank needs --task ranking")
     if a.dim % a.heads:
         p.error(f"--heads: expected a divisor of --dim {a.dim}, got {a.heads}")
+    try:
+        a.metric_names = parse_metrics(a.metrics, a.task)
+    except ValueError as e:
+        p.error(str(e))
     return a
 
 
@@ -188,8 +196,9 @@ def build_model(a: argparse.Namespace, num_items: int) -> torch.nn.Module:
 
 
 def retrieval_metrics(model, seqs: UserSequences, inputs_end: int, targets: list[int], max_len: int, device,
-                      k: int = 10) -> dict:
-    """HR@k and NDCG@k by full-corpus ranking; inputs are each sequence without its last ``inputs_end`` events."""
+                      names: tuple[str, ...] = ("hr@10", "ndcg@10")) -> dict:
+    """The metrics ``names`` (``hr@K``, ``ndcg@K``, ``mrr``) by full-corpus ranking; inputs are each sequence
+    without its last ``inputs_end`` events."""
     if hasattr(model, "eval"):
         model.eval()
     ranks = []
@@ -199,11 +208,12 @@ def retrieval_metrics(model, seqs: UserSequences, inputs_end: int, targets: list
         scores = model.scores(make_batch(items, times, max_len, with_targets=False).to(device)).float().cpu()
         ranks += [target_rank(scores[r], tgt, torch.from_numpy(hist))
                   for r, (hist, tgt) in enumerate(zip(items, targets[s:s + 256]))]
-    return hit_rate_and_ndcg(ranks, k)
+    return ranks_to_metrics(ranks, list(names))
 
 
-def ranking_metrics(model, req: RankingRequests, device) -> dict:
-    """AUC per task over all candidates; NDCG@10 per task within each candidate list."""
+def ranking_metrics(model, req: RankingRequests, device, names: tuple[str, ...] = ("auc", "ndcg@10")) -> dict:
+    """Per task: AUC over all candidates, GAUC (AUC per request, weighted by its candidates), NDCG@K within
+    each candidate list, as ``names`` asks."""
     model.eval()
     scores, labels = [], []
     with torch.no_grad():
@@ -213,9 +223,16 @@ def ranking_metrics(model, req: RankingRequests, device) -> dict:
     allsc, alllab = np.concatenate(scores), np.concatenate(labels)
     starts = np.cumsum([0] + [len(c) for c in req.cand_items])
     out = {}
-    for t, name in enumerate(TASKS):
-        out[f"AUC {name}"] = auc(allsc[:, t], alllab[:, t])
-        out[f"NDCG@10 {name}"] = list_ndcg(allsc[:, t], alllab[:, t], starts)
+    for metric in names:
+        for t, task in enumerate(TASKS):
+            sc, lab = allsc[:, t], alllab[:, t]
+            if metric == "auc":
+                value = auc(sc, lab)
+            elif metric == "gauc":
+                value = gauc(sc, lab, starts)
+            else:
+                value = list_ndcg(sc, lab, starts, k=int(metric.split("@")[1]))
+            out[f"{metric_key(metric)} {task}"] = value
     return out
 
 
@@ -223,8 +240,8 @@ def evaluate(a: argparse.Namespace, model, d: Splits, split: str, device) -> dic
     """Metrics on ``split`` ("valid" or "test")."""
     if a.task == "retrieval":
         inputs_end, targets = (2, d.valid) if split == "valid" else (1, d.test)
-        return retrieval_metrics(model, d.seqs, inputs_end, targets, a.max_len, device)
-    return ranking_metrics(model, d.valid if split == "valid" else d.test, device)
+        return retrieval_metrics(model, d.seqs, inputs_end, targets, a.max_len, device, a.metric_names)
+    return ranking_metrics(model, d.valid if split == "valid" else d.test, device, a.metric_names)
 
 
 def validation_score(a: argparse.Namespace, record: dict) -> float:
@@ -236,9 +253,10 @@ def validation_score(a: argparse.Namespace, record: dict) -> float:
 
 def run_popularity(a: argparse.Namespace, d: Splits) -> dict:
     """The popularity baseline needs no training: counts over the training (then training + validation) events."""
-    valid = retrieval_metrics(Popularity(d.train_items, d.num_items), d.seqs, 2, d.valid, a.max_len, "cpu")
+    names = a.metric_names
+    valid = retrieval_metrics(Popularity(d.train_items, d.num_items), d.seqs, 2, d.valid, a.max_len, "cpu", names)
     pop = Popularity([x[:-1] for x in d.seqs.items], d.num_items)
-    return {"valid": valid, "test": retrieval_metrics(pop, d.seqs, 1, d.test, a.max_len, "cpu")}
+    return {"valid": valid, "test": retrieval_metrics(pop, d.seqs, 1, d.test, a.max_len, "cpu", names)}
 
 
 def run_config(a: argparse.Namespace, d: Splits) -> dict:
