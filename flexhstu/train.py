@@ -35,6 +35,7 @@ from tqdm import tqdm
 from . import checkpoint
 from .cli.common import Parser, non_negative_int, positive_int, run, user_input
 from .data import load
+from .data.movielens import parse_columns
 from .data.sequences import UserSequences, leave_one_out, user_sequences
 from .metrics import auc, gauc, list_ndcg, metric_key, parse_metrics, ranks_to_metrics, target_rank
 from .models import HSTURetrieval, OneRankModel, Popularity, SASRecRetrieval, make_batch, make_requests
@@ -43,8 +44,8 @@ from .nn import onerank_loss
 
 # Arguments that define the model, its data or its sample streams: ``--resume`` refuses a change to any of
 # them, since the resumed run would silently become a different experiment.
-FIXED_ON_RESUME = ("task", "model", "data", "mask", "sla_k1", "sla_k2", "no_task_tokens", "dim", "layers", "heads",
-                   "max_len", "dropout", "negatives", "batch_size", "seed")
+FIXED_ON_RESUME = ("task", "model", "data", "columns", "mask", "sla_k1", "sla_k2", "no_task_tokens", "dim", "layers",
+                   "heads", "max_len", "dropout", "negatives", "batch_size", "seed")
 
 
 def _probability(text: str) -> float:
@@ -52,6 +53,13 @@ def _probability(text: str) -> float:
     if not 0.0 <= value < 1.0:
         raise argparse.ArgumentTypeError(f"expected a probability in [0, 1), got {value}")
     return value
+
+
+def _columns(text: str) -> dict[str, str]:
+    try:
+        return parse_columns(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--columns: ")) from None
 
 
 def _positive_float(text: str) -> float:
@@ -66,7 +74,11 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--task", choices=["retrieval", "ranking"], default="retrieval")
     p.add_argument("--model", choices=["hstu", "onerank", "sasrec", "popularity"], default="hstu")
     p.add_argument("--data", default="ml-100k",
-                   help="ml-100k, synthetic, or a ratings.dat / ratings.csv / .parquet path")
+                   help="ml-100k, synthetic, a ratings.dat / ratings.csv / .parquet path, or any CSV / Parquet file "
+                        "of interactions with --columns")
+    p.add_argument("--columns", type=_columns, default=None,
+                   help="the --data file's column names, e.g. user=uid,item=iid,time=ts,rating=r (rating is "
+                        "optional: 1.0 for every event without it); ids may be integers or strings, time integers")
     p.add_argument("--mask", choices=["causal", "sla"], default="causal")
     p.add_argument("--sla-k1", type=positive_int, default=32)
     p.add_argument("--sla-k2", type=non_negative_int, default=4)
@@ -161,7 +173,7 @@ class Progress:
 
 
 def prepare_data(a: argparse.Namespace) -> Splits:
-    data = load(a.data)
+    data = load(a.data, columns=a.columns)
     if a.task == "retrieval":
         seqs, valid, test = leave_one_out(data)
         if not seqs.items:
@@ -274,7 +286,7 @@ def resume(a: argparse.Namespace, d: Splits, ckpt: Path, model: torch.nn.Module,
     state = checkpoint.load(ckpt, map_location=device)
     saved, now = state["config"], run_config(a, d)
     changed = [f"--{k.replace('_', '-')} {saved[k]!r} in the checkpoint, {now[k]!r} now"
-               for k in (*FIXED_ON_RESUME, "data_rows", "num_items") if saved[k] != now[k]]
+               for k in (*FIXED_ON_RESUME, "data_rows", "num_items") if saved.get(k) != now[k]]
     if changed:
         raise ValueError(f"--resume: expected the run of {ckpt}, got a different one: " + "; ".join(changed))
     model.load_state_dict(state["model"]), opt.load_state_dict(state["opt"])
