@@ -25,17 +25,31 @@ def build_mask(kind: str, offs: torch.Tensor, args: argparse.Namespace) -> torch
         return masks.causal(offs)
     if kind == "fixed":
         return masks.fixed(offs, num_targets=targets, max_attn_len=args.max_attn_len,
-                           contextual_seq_len=args.contextual, min_full_attn_seq_len=args.min_full_attn)
+                           contextual_seq_len=args.contextual_seq_len, min_full_attn_seq_len=args.min_full_attn_seq_len)
     if kind == "sla":
-        return masks.sla(offs, args.k1, args.k2, num_targets=targets, contextual_seq_len=args.contextual)
+        return masks.sla(offs, args.sla_k1, args.sla_k2, num_targets=targets,
+                         contextual_seq_len=args.contextual_seq_len)
     if targets is None:  # onerank, the last of argparse's choices
         raise ValueError("--targets: expected one target count per sequence (a multiple of --group-size), "
                          "got none; onerank needs them")
     return masks.onerank(offs, targets, args.group_size)
 
 
+# A picture draws one pixel or more per (query, key) pair and one panel per sequence: past these sizes it is
+# too large to read, so show-mask refuses (with the limits in the message) rather than downsampling, which
+# would blur exactly the single-column intervals a mask picture is for.
+MAX_PICTURE_LENGTH = 512
+MAX_PICTURE_SEQUENCES = 8
+
+
 def cmd_show_mask(args: argparse.Namespace) -> int:
     lengths = args.lengths
+    if max(lengths) > MAX_PICTURE_LENGTH:
+        raise UserError(f"--lengths: expected lengths up to {MAX_PICTURE_LENGTH} (one pixel per (query, key) pair; a "
+                        f"longer sequence's picture is unreadable), got {max(lengths)}")
+    if len(lengths) > MAX_PICTURE_SEQUENCES:
+        raise UserError(f"--lengths: expected at most {MAX_PICTURE_SEQUENCES} sequences (one panel each), "
+                        f"got {len(lengths)}")
     if args.targets is not None and len(args.targets) != len(lengths):
         raise UserError(f"--targets: expected {len(lengths)} values (one per sequence), got {len(args.targets)}")
     offs = offsets_from_lengths(lengths)
@@ -101,44 +115,61 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> Parser:
+    """The ``flexhstu`` parser; ``train`` and ``bench`` parse their own arguments (``flexhstu train --help``)."""
     parser = Parser(prog="flexhstu", description="HSTU attention under interval masks")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
-    demo = sub.add_parser("demo", help="run hstu_mha on SLA and OneRank masks, check it, draw the masks")
+    demo = sub.add_parser("demo", help="run hstu_mha on SLA and OneRank masks, check it, draw the masks",
+                          description="Run hstu_mha (and the Triton kernels where they can run) on causal, SLA and "
+                                      "OneRank masks, compare each with the float64 reference, draw the masks. "
+                                      "Exit status 1 if a check fails.")
     demo.add_argument("--out", default="flexhstu-demo", help="folder for the mask pictures")
-    demo.add_argument("--seed", type=non_negative_int, default=0)
+    demo.add_argument("--seed", type=non_negative_int, default=0, help="seed of the random q, k, v")
     demo.add_argument("--debug", action="store_true", help="show the traceback of an input error")
-    demo.set_defaults(fn=cmd_demo)
+    demo.set_defaults(fn=cmd_demo, parser=demo)
 
-    show = sub.add_parser("show-mask", help="draw a mask as a PNG, one panel per sequence")
-    show.add_argument("mask", choices=["causal", "fixed", "sla", "onerank"])
+    show = sub.add_parser("show-mask", help="draw a mask as a PNG, one panel per sequence",
+                          description="Draw a mask as a PNG, one panel per sequence (query rows down, key columns "
+                                      f"across; up to {MAX_PICTURE_SEQUENCES} sequences of length up to "
+                                      f"{MAX_PICTURE_LENGTH}).")
+    show.add_argument("mask", choices=["causal", "fixed", "sla", "onerank"], help="the mask builder")
     show.add_argument("--lengths", type=lengths_list, required=True,
                       help="comma-separated sequence lengths, e.g. 40,64")
     show.add_argument("--targets", type=lengths_list, default=None,
                       help="comma-separated target counts, one per sequence")
-    show.add_argument("--k1", type=positive_int, default=8, help="sla: local window")
-    show.add_argument("--k2", type=non_negative_int, default=4, help="sla: global prefix")
-    show.add_argument("--group-size", type=positive_int, default=4, help="onerank: K + 1")
-    show.add_argument("--max-attn-len", type=non_negative_int, default=0)
-    show.add_argument("--contextual", type=non_negative_int, default=0)
-    show.add_argument("--min-full-attn", type=non_negative_int, default=0)
-    show.add_argument("-o", "--output", default="mask.png")
+    show.add_argument("--sla-k1", type=positive_int, default=8, help="sla: local causal window K1")
+    show.add_argument("--sla-k2", type=non_negative_int, default=4, help="sla: global prefix K2")
+    show.add_argument("--group-size", type=positive_int, default=4, help="onerank: tokens per candidate, K + 1")
+    show.add_argument("--max-attn-len", type=non_negative_int, default=0, help="fixed: attention window (0: none)")
+    show.add_argument("--contextual-seq-len", type=non_negative_int, default=0,
+                      help="fixed, sla: contextual prefix length")
+    show.add_argument("--min-full-attn-seq-len", type=non_negative_int, default=0,
+                      help="fixed: last rows that see past the window")
+    show.add_argument("-o", "--output", default="mask.png", help="the PNG to write")
     show.add_argument("--debug", action="store_true", help="show the traceback of an input error")
-    show.set_defaults(fn=cmd_show_mask)
+    show.set_defaults(fn=cmd_show_mask, parser=show)
 
-    bench = sub.add_parser("bench", help="time hstu_mha against SDPA on a GPU (--suite, or your own shape)",
+    bench = sub.add_parser("bench", help="time hstu_mha against SDPA on a GPU (see flexhstu bench --help)",
                            add_help=False)
     bench.set_defaults(fn=lambda a: _bench_main(a.rest))
 
     train = sub.add_parser("train", help="train and evaluate a model (see flexhstu train --help)", add_help=False)
     train.set_defaults(fn=lambda a: _train_main(a.rest))
 
+    return parser
+
+
+PASS_THROUGH = ("bench", "train")  # commands that parse their own arguments
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    if args.command not in ("bench", "train") and rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command not in PASS_THROUGH and rest:
+        args.parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.rest = rest
-    if args.command in ("bench", "train"):
+    if args.command in PASS_THROUGH:
         return args.fn(args)
     return run(f"flexhstu {args.command}", lambda: args.fn(args), args.debug)
 
