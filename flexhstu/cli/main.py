@@ -157,10 +157,13 @@ def build_parser() -> Parser:
     train = sub.add_parser("train", help="train and evaluate a model (see flexhstu train --help)", add_help=False)
     train.set_defaults(fn=lambda a: _train_main(a.rest))
 
+    rec = sub.add_parser("recommend", help="top-K items per user from a trained run (see flexhstu recommend --help)",
+                         add_help=False)
+    rec.set_defaults(fn=lambda a: _recommend_main(a.rest))
     return parser
 
 
-PASS_THROUGH = ("bench", "train")  # commands that parse their own arguments
+PASS_THROUGH = ("bench", "train", "recommend")  # commands that parse their own arguments
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,6 +181,12 @@ def _train_main(rest: list[str]) -> int:
     from .. import train
 
     return train.cli(rest)
+
+
+def _recommend_main(rest: list[str]) -> int:
+    from .. import recommend
+
+    return recommend.cli(rest)
 
 
 def _bench_main(rest: list[str]) -> int:
