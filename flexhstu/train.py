@@ -430,20 +430,52 @@ def train_epoch(a: argparse.Namespace, epoch: int, d: Splits, model, ddp, opt, r
     return {"epoch": epoch + 1, "loss": float(np.mean(losses)), "seconds": time.perf_counter() - t0}
 
 
-def plot(history: list[dict], path: Path) -> None:
+def plot_title(a: argparse.Namespace) -> str:
+    """Model, mask and data of a run, for its plot."""
+    data = Path(a.data).name if a.data not in ("ml-100k", "synthetic") else a.data
+    if a.model == "onerank":
+        mask = "targets mask" if a.no_task_tokens else "task tokens"
+    elif a.model == "hstu" and a.mask == "sla":
+        mask = f"SLA k1={a.sla_k1} k2={a.sla_k2}"
+    else:
+        mask = "causal"
+    return f"{a.model} ({mask}) on {data}, seed {a.seed}"
+
+
+def plot(history: list[dict], path: Path, title: str, best_epoch: int | None) -> None:
+    """The loss and each validation metric in a grid of at most 4 panels a row; a ranking metric's panel has
+    one line per task. The best validation epoch is a dashed line in every panel."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    keys = [k for k in history[0] if k not in ("epoch", "seconds")]
-    fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 2.8), squeeze=False)
-    for ax, key in zip(axes[0], keys):
-        ax.plot([h["epoch"] for h in history], [h[key] for h in history], marker="o")
-        ax.set_title(key)
-        ax.set_xlabel("epoch")
+    panels: dict[str, list[tuple[str, str]]] = {}  # panel title -> (line label, history key)
+    for key in dict.fromkeys(k for h in history for k in h if k not in ("epoch", "seconds")):
+        task = next((t for t in TASKS if key.endswith(f" {t}")), None)
+        panels.setdefault(key.removesuffix(f" {task}") if task else key, []).append((task or key, key))
+    cols = min(4, len(panels))
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.8 * cols, 2.9 * rows + 0.5), squeeze=False)
+    epochs = [h["epoch"] for h in history]
+    for ax, (name, lines) in zip(axes.flat, panels.items()):
+        for label, key in lines:
+            ax.plot(epochs, [h.get(key, math.nan) for h in history], marker="o", markersize=3, label=label)
+        if best_epoch is not None:
+            ax.axvline(best_epoch, color="0.4", linestyle="--", linewidth=1, label=f"best epoch {best_epoch}")
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel("epoch", fontsize=8)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+        if len(lines) > 1 or ax is axes.flat[0]:
+            ax.legend(fontsize=7, loc="best")
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(title, fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
@@ -453,7 +485,7 @@ def write(result: dict, history: list[dict], out: Path, rank: int, a: argparse.N
     if rank == 0:
         (out / "metrics.json").write_text(json.dumps(result, indent=1, default=str))
         if history:
-            plot(history, out / "metrics.png")
+            plot(history, out / "metrics.png", plot_title(a), result.get("best_epoch"))
         if not a.quiet:
             print(json.dumps({"test": result.get("test")}))
             written = ", ".join(f.name for f in sorted(out.iterdir()) if f.is_file() and not f.name.startswith("."))

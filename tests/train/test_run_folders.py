@@ -57,3 +57,18 @@ def test_a_latest_folder_of_an_older_version_is_not_overwritten(tmp_path, monkey
     (tmp_path / "runs" / "latest").mkdir(parents=True)
     with pytest.raises(UserError, match=r"runs/latest: expected a symlink to the newest run, got a folder"):
         train.main(["--model", "popularity", "--data", "synthetic", "--device", "cpu", "--quiet"])
+
+
+def test_the_plot_is_titled_and_puts_a_ranking_metrics_tasks_in_one_panel(tmp_path):
+    from PIL import Image
+
+    a = train.parse(["--task", "ranking", "--model", "onerank", "--no-task-tokens", "--data", "/x/events.csv",
+                     "--seed", "3"])
+    assert train.plot_title(a) == "onerank (targets mask) on events.csv, seed 3"
+    assert train.plot_title(train.parse(["--mask", "sla", "--sla-k1", "8"])) == \
+        "hstu (SLA k1=8 k2=4) on ml-100k, seed 0"
+    tasks = ("watched", "rated>=4", "rated5")
+    history = [{"epoch": e, "loss": 1.0 / e, **{f"valid {m} {t}": 0.5 for m in ("AUC", "NDCG@10", "GAUC")
+                                               for t in tasks}, "seconds": 1.0} for e in (1, 2, 3)]
+    train.plot(history, tmp_path / "m.png", "title", best_epoch=2)
+    assert Image.open(tmp_path / "m.png").size == (1520, 340)  # one row: loss, AUC, NDCG@10, GAUC
