@@ -1,4 +1,5 @@
-"""Evaluation metrics: full-corpus retrieval (HR@k, NDCG@k) and ranking (AUC, NDCG@k of a candidate list)."""
+"""Evaluation metrics: full-corpus retrieval (HR@k, NDCG@k, MRR) and ranking (AUC, GAUC, NDCG@k of a
+candidate list), and the ``--metrics`` names that choose them."""
 
 from __future__ import annotations
 
@@ -25,6 +26,13 @@ def hit_rate_and_ndcg(ranks: list[int], k: int = 10) -> dict[str, float]:
     hits = [r < k for r in ranks]
     gains = [1.0 / math.log2(r + 2) if r < k else 0.0 for r in ranks]
     return {f"HR@{k}": float(np.mean(hits)), f"NDCG@{k}": float(np.mean(gains))}
+
+
+def mrr(ranks: list[int]) -> float:
+    """Mean reciprocal rank: the mean of ``1 / (rank + 1)`` over 0-based ranks (no cut-off)."""
+    if not ranks:
+        raise ValueError("ranks: expected at least one rank, got none")
+    return float(np.mean([1.0 / (r + 1) for r in ranks]))
 
 
 def auc(scores: np.ndarray, labels: np.ndarray) -> float:
@@ -61,3 +69,56 @@ def list_ndcg(scores: np.ndarray, labels: np.ndarray, list_offsets: np.ndarray, 
     vals = [ndcg_at(scores[a:b], labels[a:b], k) for a, b in itertools.pairwise(list_offsets)]
     vals = [v for v in vals if not math.isnan(v)]
     return float(np.mean(vals)) if vals else float("nan")
+
+
+def gauc(scores: np.ndarray, labels: np.ndarray, group_offsets: np.ndarray) -> float:
+    """Group AUC: the AUC of each group ``group_offsets[g]:group_offsets[g + 1]`` (a user's impressions),
+    averaged with the group's number of impressions as its weight. Groups with one class only have no AUC
+    and are skipped (NaN if every group is)."""
+    aucs, weights = [], []
+    for a, b in itertools.pairwise(group_offsets):
+        value = auc(scores[a:b], labels[a:b])
+        if not math.isnan(value):
+            aucs.append(value), weights.append(b - a)
+    return float(np.average(aucs, weights=weights)) if aucs else float("nan")
+
+
+RETRIEVAL_METRICS = ("hr@K", "ndcg@K", "mrr")
+RANKING_METRICS = ("auc", "gauc", "ndcg@K")
+DEFAULT_METRICS = {"retrieval": ("hr@10", "ndcg@10"), "ranking": ("auc", "ndcg@10")}
+
+
+def parse_metrics(text: str | None, task: str) -> list[str]:
+    """The metric names of ``--metrics`` (e.g. ``hr@10,ndcg@50,mrr``), lower case, after the task's defaults
+    (``hr@10, ndcg@10`` for retrieval, ``auc, ndcg@10`` for ranking), each once."""
+    allowed = RETRIEVAL_METRICS if task == "retrieval" else RANKING_METRICS
+    names = list(DEFAULT_METRICS[task])
+    for raw in (text or "").split(","):
+        name = raw.strip().lower()
+        if not name:
+            continue
+        base, _, cut = name.partition("@")
+        shape = f"{base}@K" if cut else base
+        if shape not in allowed or (cut and not (cut.isdigit() and int(cut) >= 1)):
+            raise ValueError(f"--metrics: expected names from {', '.join(allowed)} (K an integer >= 1) for "
+                             f"{task}, got '{raw.strip()}'")
+        if name not in names:
+            names.append(name)
+    return names
+
+
+def metric_key(name: str) -> str:
+    """The key of a metric in results: ``hr@10`` -> ``HR@10``, ``mrr`` -> ``MRR``."""
+    return name.upper()
+
+
+def ranks_to_metrics(ranks: list[int], names: list[str]) -> dict[str, float]:
+    """The retrieval metrics ``names`` (``hr@K``, ``ndcg@K``, ``mrr``) of 0-based target ranks."""
+    out = {}
+    for name in names:
+        if name == "mrr":
+            out["MRR"] = mrr(ranks)
+        else:
+            kind, k = name.split("@")
+            out[metric_key(name)] = hit_rate_and_ndcg(ranks, int(k))[f"{kind.upper()}@{k}"]
+    return out

@@ -10,6 +10,10 @@ AUC for ranking). Every epoch's order and negatives come from generators seeded 
 so resuming from a checkpoint reproduces the uninterrupted run. Under torchrun each rank trains on its shard with
 DistributedDataParallel (gloo on CPU, nccl on GPU); rank 0 evaluates and writes.
 
+Each run writes to its own folder, ``runs/<date>-<time>-<model>-<mask>`` unless ``--out`` names one, and
+points ``runs/latest`` (a symlink, replaced atomically) at it; ``--resume`` without ``--out`` continues
+``runs/latest``. A folder that already holds a run is refused without ``--resume``.
+
 ``main`` runs the steps in order: ``parse`` the arguments, ``prepare_data``, ``build_model``,
 ``resume`` from a checkpoint, ``train_epoch`` and ``evaluate`` on validation per epoch, ``evaluate``
 on test at the best epoch, ``write`` the metrics.
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
 import math
 import os
@@ -35,16 +40,17 @@ from tqdm import tqdm
 from . import checkpoint
 from .cli.common import Parser, non_negative_int, positive_int, run, user_input
 from .data import load
+from .data.movielens import parse_columns
 from .data.sequences import UserSequences, leave_one_out, user_sequences
-from .metrics import auc, hit_rate_and_ndcg, list_ndcg, target_rank
+from .metrics import auc, gauc, list_ndcg, metric_key, parse_metrics, ranks_to_metrics, target_rank
 from .models import HSTURetrieval, OneRankModel, Popularity, SASRecRetrieval, make_batch, make_requests
 from .models.ranking import TASKS, RankingRequests, collate, min_events
 from .nn import onerank_loss
 
 # Arguments that define the model, its data or its sample streams: ``--resume`` refuses a change to any of
 # them, since the resumed run would silently become a different experiment.
-FIXED_ON_RESUME = ("task", "model", "data", "mask", "sla_k1", "sla_k2", "no_task_tokens", "dim", "layers", "heads",
-                   "max_len", "dropout", "negatives", "batch_size", "seed")
+FIXED_ON_RESUME = ("task", "model", "data", "columns", "mask", "sla_k1", "sla_k2", "no_task_tokens", "dim", "layers",
+                   "heads", "max_len", "dropout", "negatives", "batch_size", "seed")
 
 
 def _probability(text: str) -> float:
@@ -54,6 +60,13 @@ def _probability(text: str) -> float:
     return value
 
 
+def _columns(text: str) -> dict[str, str]:
+    try:
+        return parse_columns(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--columns: ")) from None
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if not (math.isfinite(value) and value > 0):
@@ -61,30 +74,41 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def parse(argv=None) -> argparse.Namespace:
-    p = Parser(prog="flexhstu train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--task", choices=["retrieval", "ranking"], default="retrieval")
-    p.add_argument("--model", choices=["hstu", "onerank", "sasrec", "popularity"], default="hstu")
+def build_parser() -> Parser:
+    """The ``flexhstu train`` parser: every option with a sentence (and its default in ``--help``)."""
+    p = Parser(prog="flexhstu train", description="Train and evaluate a model (under torchrun: python -m "
+                                                  "flexhstu.train, one shard per rank).")
+    p.add_argument("--task", choices=["retrieval", "ranking"], default="retrieval",
+                   help="next-item retrieval, or multi-task ranking of candidate lists")
+    p.add_argument("--model", choices=["hstu", "onerank", "sasrec", "popularity"], default="hstu",
+                   help="hstu, sasrec (softmax baseline) or popularity for retrieval; onerank for ranking")
     p.add_argument("--data", default="ml-100k",
-                   help="ml-100k, synthetic, or a ratings.dat / ratings.csv / .parquet path")
-    p.add_argument("--mask", choices=["causal", "sla"], default="causal")
-    p.add_argument("--sla-k1", type=positive_int, default=32)
-    p.add_argument("--sla-k2", type=non_negative_int, default=4)
+                   help="ml-100k, synthetic, a ratings.dat / ratings.csv / .parquet path, or any CSV / Parquet file "
+                        "of interactions with --columns")
+    p.add_argument("--columns", type=_columns, default=None,
+                   help="the --data file's column names, e.g. user=uid,item=iid,time=ts,rating=r (rating is "
+                        "optional: 1.0 for every event without it); ids may be integers or strings, time integers")
+    p.add_argument("--mask", choices=["causal", "sla"], default="causal", help="hstu's attention mask")
+    p.add_argument("--sla-k1", type=positive_int, default=32, help="sla: local causal window K1")
+    p.add_argument("--sla-k2", type=non_negative_int, default=4, help="sla: global prefix K2")
     p.add_argument("--no-task-tokens", action="store_true",
                    help="ranking ablation: plain target tokens, fixed targets mask")
     p.add_argument("--epochs", type=positive_int, default=None,
                    help="default: 60 for retrieval, 4 for ranking; on --resume, a new value extends (or ends) the run")
-    p.add_argument("--batch-size", type=positive_int, default=64)
-    p.add_argument("--dim", type=positive_int, default=64)
-    p.add_argument("--layers", type=positive_int, default=2)
+    p.add_argument("--batch-size", type=positive_int, default=64, help="sequences (or requests) per step")
+    p.add_argument("--dim", type=positive_int, default=64, help="model width")
+    p.add_argument("--layers", type=positive_int, default=2, help="attention layers")
     p.add_argument("--heads", type=positive_int, default=2, help="must divide --dim")
-    p.add_argument("--max-len", type=positive_int, default=100)
-    p.add_argument("--dropout", type=_probability, default=0.2)
+    p.add_argument("--max-len", type=positive_int, default=100, help="the last events of a history that are used")
+    p.add_argument("--dropout", type=_probability, default=0.2, help="dropout rate of embeddings and layers")
     p.add_argument("--lr", type=_positive_float, default=3e-3,
                    help="on --resume, a new value replaces the checkpoint's learning rate")
-    p.add_argument("--negatives", type=positive_int, default=256)
-    p.add_argument("--seed", type=non_negative_int, default=0)
-    p.add_argument("--out", default="runs/latest")
+    p.add_argument("--negatives", type=positive_int, default=256,
+                   help="retrieval: sampled negatives per step of the sampled softmax")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the weights, the order and the negatives")
+    p.add_argument("--out", default=None,
+                   help="the run's folder (default: a new runs/<date>-<time>-<model>-<mask>, and runs/latest "
+                        "points to it; with --resume: runs/latest)")
     p.add_argument("--resume", action="store_true",
                    help="continue from OUT/checkpoint.pt (which must exist). Refused if any of "
                         + ", ".join("--" + k.replace("_", "-") for k in FIXED_ON_RESUME)
@@ -92,9 +116,19 @@ def parse(argv=None) -> argparse.Namespace:
                           "change (reported on stderr); --out, --device, --stop-after, --quiet, --debug are free")
     p.add_argument("--stop-after", type=non_negative_int, default=0,
                    help="stop after this many epochs of this invocation (tests)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--metrics", default=None,
+                   help="extra evaluation metrics, comma-separated: hr@K, ndcg@K, mrr for retrieval; auc, gauc, "
+                        "ndcg@K for ranking (e.g. hr@50,ndcg@200,mrr). HR@10 and NDCG@10 (retrieval) or AUC and "
+                        "NDCG@10 per task (ranking) are always reported")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="torch device (cuda when available)")
+    p.add_argument("--quiet", action="store_true", help="print nothing but errors")
     p.add_argument("--debug", action="store_true", help="show the traceback of an input error")
+    return p
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = build_parser()
     a = p.parse_args(argv)
     if a.epochs is None:
         a.epochs = 60 if a.task == "retrieval" else 4
@@ -104,6 +138,10 @@ def parse(argv=None) -> argparse.Namespace:
         p.error("--model onerank needs --task ranking")
     if a.dim % a.heads:
         p.error(f"--heads: expected a divisor of --dim {a.dim}, got {a.heads}")
+    try:
+        a.metric_names = parse_metrics(a.metrics, a.task)
+    except ValueError as e:
+        p.error(str(e))
     return a
 
 
@@ -128,6 +166,73 @@ def _dist() -> tuple[int, int]:
     return 0, 1
 
 
+RUNS = Path("runs")
+
+
+def run_label(a: argparse.Namespace) -> str:
+    """``<model>-<mask>`` of a run's folder name."""
+    if a.model == "hstu":
+        return f"hstu-{a.mask}"
+    if a.model == "onerank":
+        return "onerank-" + ("targets" if a.no_task_tokens else "tasktokens")
+    return {"sasrec": "sasrec-causal", "popularity": "popularity"}[a.model]
+
+
+def new_run_folder(a: argparse.Namespace, root: Path = RUNS) -> Path:
+    """A fresh ``root/<date>-<time>-<model>-<mask>`` (``-2``, ``-3``... when runs start in the same second)."""
+    root.mkdir(parents=True, exist_ok=True)
+    base = f"{time.strftime('%Y%m%d-%H%M%S')}-{run_label(a)}"
+    for n in itertools.count(1):
+        out = root / (base if n == 1 else f"{base}-{n}")
+        try:
+            out.mkdir()
+            return out
+        except FileExistsError:
+            continue
+    raise AssertionError("unreachable")
+
+
+def point_latest(out: Path, root: Path = RUNS) -> None:
+    """Make ``root/latest`` a symlink to ``out``: a new link renamed over the old one, so readers never see
+    a missing or half-made link."""
+    link = root / "latest"
+    if link.exists() and not link.is_symlink():
+        raise ValueError(f"{link}: expected a symlink to the newest run, got a folder (written by an older "
+                         f"flexhstu); rename it (e.g. mv {link} {root}/old) or pass --out")
+    tmp = root / f".latest.{os.getpid()}.tmp"
+    tmp.unlink(missing_ok=True)
+    os.symlink(out.name, tmp)  # relative: the runs folder can move
+    os.replace(tmp, link)
+
+
+def resolve_out(a: argparse.Namespace, rank: int, world: int) -> Path:
+    """The run's folder: ``--out``; else ``runs/latest`` on ``--resume``; else a new folder that ``runs/latest``
+    then points to (made by rank 0, its name sent to the other ranks)."""
+    if a.out is not None:
+        out = Path(a.out)
+    elif a.resume:
+        latest = RUNS / "latest"
+        if not latest.exists():
+            raise FileNotFoundError(f"--resume: expected {latest} (the newest run), no such run; pass --out FOLDER")
+        out = latest.resolve()
+    else:
+        name = [None]
+        if rank == 0:
+            out = new_run_folder(a)
+            point_latest(out)
+            name = [str(out)]
+        if world > 1:
+            dist.broadcast_object_list(name, src=0)
+        out = Path(name[0])
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        held = [f for f in ("checkpoint.pt", "metrics.json") if (out / f).exists()]
+        if held and not a.resume:
+            raise ValueError(f"--out: expected a folder without a run, got {out} holding {', '.join(held)} (pass "
+                             "--resume to continue it, or leave out --out for a new folder)")
+    return out
+
+
 @dataclass
 class Splits:
     """The data of one run. Retrieval: ``seqs`` with the leave-one-out ``valid``/``test`` item of each user and
@@ -141,6 +246,8 @@ class Splits:
     test: list[int] | RankingRequests
     train_items: list[np.ndarray] = field(default_factory=list)
     train_req: RankingRequests | None = None
+    item_ids: list = field(default_factory=list)  # the data file's id of item i at [i - 1]
+    user_ids: list = field(default_factory=list)  # the data file's id of the user of sequence s at [s]
 
 
 @dataclass
@@ -153,14 +260,15 @@ class Progress:
 
 
 def prepare_data(a: argparse.Namespace) -> Splits:
-    data = load(a.data)
+    data = load(a.data, columns=a.columns)
+    ids = file_ids(data, user_sequences(data))
     if a.task == "retrieval":
         seqs, valid, test = leave_one_out(data)
         if not seqs.items:
             raise ValueError(f"--data {a.data}: expected a user with 3 or more events (one to train on, one to "
                              f"validate, one to test), got none; most events of a user: {_most_events(data)}")
         return Splits(data.num_items, len(data), list(range(len(seqs.items))), seqs, valid, test,
-                      train_items=[x[:-2] for x in seqs.items])
+                      train_items=[x[:-2] for x in seqs.items], **ids)
     seqs = user_sequences(data)
     train_req = make_requests(seqs, "train", max_len=a.max_len, seed=a.seed)
     valid_req = make_requests(seqs, "valid", max_len=a.max_len, seed=a.seed + 1)
@@ -169,7 +277,14 @@ def prepare_data(a: argparse.Namespace) -> Splits:
         raise ValueError(f"--data {a.data}: ranking expected a user with {min_events()} or more events (and as many "
                          f"unseen items as negatives), got none; most events of a user: {_most_events(data)}")
     return Splits(data.num_items, len(data), list(range(len(train_req.cand_items))), seqs, valid_req, test_req,
-                  train_req=train_req)
+                  train_req=train_req, **ids)
+
+
+def file_ids(data, seqs: UserSequences) -> dict[str, list]:
+    """The data file's ids: ``item_ids`` of items 1..num_items and ``user_ids`` of the sequences ``seqs``."""
+    items = data.item_ids if data.item_ids is not None else np.arange(1, data.num_items + 1)
+    users = seqs.users if data.user_ids is None else data.user_ids[seqs.users]
+    return {"item_ids": items.tolist(), "user_ids": users.tolist()}
 
 
 def _most_events(data) -> int:
@@ -188,8 +303,9 @@ def build_model(a: argparse.Namespace, num_items: int) -> torch.nn.Module:
 
 
 def retrieval_metrics(model, seqs: UserSequences, inputs_end: int, targets: list[int], max_len: int, device,
-                      k: int = 10) -> dict:
-    """HR@k and NDCG@k by full-corpus ranking; inputs are each sequence without its last ``inputs_end`` events."""
+                      names: tuple[str, ...] = ("hr@10", "ndcg@10")) -> dict:
+    """The metrics ``names`` (``hr@K``, ``ndcg@K``, ``mrr``) by full-corpus ranking; inputs are each sequence
+    without its last ``inputs_end`` events."""
     if hasattr(model, "eval"):
         model.eval()
     ranks = []
@@ -199,11 +315,12 @@ def retrieval_metrics(model, seqs: UserSequences, inputs_end: int, targets: list
         scores = model.scores(make_batch(items, times, max_len, with_targets=False).to(device)).float().cpu()
         ranks += [target_rank(scores[r], tgt, torch.from_numpy(hist))
                   for r, (hist, tgt) in enumerate(zip(items, targets[s:s + 256]))]
-    return hit_rate_and_ndcg(ranks, k)
+    return ranks_to_metrics(ranks, list(names))
 
 
-def ranking_metrics(model, req: RankingRequests, device) -> dict:
-    """AUC per task over all candidates; NDCG@10 per task within each candidate list."""
+def ranking_metrics(model, req: RankingRequests, device, names: tuple[str, ...] = ("auc", "ndcg@10")) -> dict:
+    """Per task: AUC over all candidates, GAUC (AUC per request, weighted by its candidates), NDCG@K within
+    each candidate list, as ``names`` asks."""
     model.eval()
     scores, labels = [], []
     with torch.no_grad():
@@ -213,9 +330,16 @@ def ranking_metrics(model, req: RankingRequests, device) -> dict:
     allsc, alllab = np.concatenate(scores), np.concatenate(labels)
     starts = np.cumsum([0] + [len(c) for c in req.cand_items])
     out = {}
-    for t, name in enumerate(TASKS):
-        out[f"AUC {name}"] = auc(allsc[:, t], alllab[:, t])
-        out[f"NDCG@10 {name}"] = list_ndcg(allsc[:, t], alllab[:, t], starts)
+    for metric in names:
+        for t, task in enumerate(TASKS):
+            sc, lab = allsc[:, t], alllab[:, t]
+            if metric == "auc":
+                value = auc(sc, lab)
+            elif metric == "gauc":
+                value = gauc(sc, lab, starts)
+            else:
+                value = list_ndcg(sc, lab, starts, k=int(metric.split("@")[1]))
+            out[f"{metric_key(metric)} {task}"] = value
     return out
 
 
@@ -223,8 +347,8 @@ def evaluate(a: argparse.Namespace, model, d: Splits, split: str, device) -> dic
     """Metrics on ``split`` ("valid" or "test")."""
     if a.task == "retrieval":
         inputs_end, targets = (2, d.valid) if split == "valid" else (1, d.test)
-        return retrieval_metrics(model, d.seqs, inputs_end, targets, a.max_len, device)
-    return ranking_metrics(model, d.valid if split == "valid" else d.test, device)
+        return retrieval_metrics(model, d.seqs, inputs_end, targets, a.max_len, device, a.metric_names)
+    return ranking_metrics(model, d.valid if split == "valid" else d.test, device, a.metric_names)
 
 
 def validation_score(a: argparse.Namespace, record: dict) -> float:
@@ -236,9 +360,10 @@ def validation_score(a: argparse.Namespace, record: dict) -> float:
 
 def run_popularity(a: argparse.Namespace, d: Splits) -> dict:
     """The popularity baseline needs no training: counts over the training (then training + validation) events."""
-    valid = retrieval_metrics(Popularity(d.train_items, d.num_items), d.seqs, 2, d.valid, a.max_len, "cpu")
+    names = a.metric_names
+    valid = retrieval_metrics(Popularity(d.train_items, d.num_items), d.seqs, 2, d.valid, a.max_len, "cpu", names)
     pop = Popularity([x[:-1] for x in d.seqs.items], d.num_items)
-    return {"valid": valid, "test": retrieval_metrics(pop, d.seqs, 1, d.test, a.max_len, "cpu")}
+    return {"valid": valid, "test": retrieval_metrics(pop, d.seqs, 1, d.test, a.max_len, "cpu", names)}
 
 
 def run_config(a: argparse.Namespace, d: Splits) -> dict:
@@ -256,7 +381,7 @@ def resume(a: argparse.Namespace, d: Splits, ckpt: Path, model: torch.nn.Module,
     state = checkpoint.load(ckpt, map_location=device)
     saved, now = state["config"], run_config(a, d)
     changed = [f"--{k.replace('_', '-')} {saved[k]!r} in the checkpoint, {now[k]!r} now"
-               for k in (*FIXED_ON_RESUME, "data_rows", "num_items") if saved[k] != now[k]]
+               for k in (*FIXED_ON_RESUME, "data_rows", "num_items") if saved.get(k) != now[k]]
     if changed:
         raise ValueError(f"--resume: expected the run of {ckpt}, got a different one: " + "; ".join(changed))
     model.load_state_dict(state["model"]), opt.load_state_dict(state["opt"])
@@ -268,6 +393,7 @@ def resume(a: argparse.Namespace, d: Splits, ckpt: Path, model: torch.nn.Module,
     if saved["epochs"] != a.epochs:
         notes.append(f"--epochs {a.epochs} replaces the checkpoint's {saved['epochs']} ({state['epoch']} done)")
     if rank == 0:
+        print(f"flexhstu train: resuming at epoch {state['epoch'] + 1} of {a.epochs} from {ckpt}", file=sys.stderr)
         for note in notes:
             print(f"flexhstu train: resuming: {note}", file=sys.stderr)
     return Progress(state["history"], state["epoch"], state["best"])
@@ -304,20 +430,52 @@ def train_epoch(a: argparse.Namespace, epoch: int, d: Splits, model, ddp, opt, r
     return {"epoch": epoch + 1, "loss": float(np.mean(losses)), "seconds": time.perf_counter() - t0}
 
 
-def plot(history: list[dict], path: Path) -> None:
+def plot_title(a: argparse.Namespace) -> str:
+    """Model, mask and data of a run, for its plot."""
+    data = Path(a.data).name if a.data not in ("ml-100k", "synthetic") else a.data
+    if a.model == "onerank":
+        mask = "targets mask" if a.no_task_tokens else "task tokens"
+    elif a.model == "hstu" and a.mask == "sla":
+        mask = f"SLA k1={a.sla_k1} k2={a.sla_k2}"
+    else:
+        mask = "causal"
+    return f"{a.model} ({mask}) on {data}, seed {a.seed}"
+
+
+def plot(history: list[dict], path: Path, title: str, best_epoch: int | None) -> None:
+    """The loss and each validation metric in a grid of at most 4 panels a row; a ranking metric's panel has
+    one line per task. The best validation epoch is a dashed line in every panel."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    keys = [k for k in history[0] if k not in ("epoch", "seconds")]
-    fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 2.8), squeeze=False)
-    for ax, key in zip(axes[0], keys):
-        ax.plot([h["epoch"] for h in history], [h[key] for h in history], marker="o")
-        ax.set_title(key)
-        ax.set_xlabel("epoch")
+    panels: dict[str, list[tuple[str, str]]] = {}  # panel title -> (line label, history key)
+    for key in dict.fromkeys(k for h in history for k in h if k not in ("epoch", "seconds")):
+        task = next((t for t in TASKS if key.endswith(f" {t}")), None)
+        panels.setdefault(key.removesuffix(f" {task}") if task else key, []).append((task or key, key))
+    cols = min(4, len(panels))
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.8 * cols, 2.9 * rows + 0.5), squeeze=False)
+    epochs = [h["epoch"] for h in history]
+    for ax, (name, lines) in zip(axes.flat, panels.items()):
+        for label, key in lines:
+            ax.plot(epochs, [h.get(key, math.nan) for h in history], marker="o", markersize=3, label=label)
+        if best_epoch is not None:
+            ax.axvline(best_epoch, color="0.4", linestyle="--", linewidth=1, label=f"best epoch {best_epoch}")
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel("epoch", fontsize=8)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+        if len(lines) > 1 or ax is axes.flat[0]:
+            ax.legend(fontsize=7, loc="best")
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(title, fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
@@ -327,9 +485,12 @@ def write(result: dict, history: list[dict], out: Path, rank: int, a: argparse.N
     if rank == 0:
         (out / "metrics.json").write_text(json.dumps(result, indent=1, default=str))
         if history:
-            plot(history, out / "metrics.png")
+            plot(history, out / "metrics.png", plot_title(a), result.get("best_epoch"))
         if not a.quiet:
             print(json.dumps({"test": result.get("test")}))
+            written = ", ".join(f.name for f in sorted(out.iterdir()) if f.is_file() and not f.name.startswith("."))
+            best = f"; best epoch {result['best_epoch']} of {len(history)}" if "best_epoch" in result else ""
+            print(f"flexhstu train: wrote {out}/ ({written}){best}")
     return result
 
 
@@ -340,12 +501,10 @@ def main(argv=None) -> dict:
 
 def train(a: argparse.Namespace) -> dict:
     rank, world = _dist()
-    out = Path(a.out)
     with user_input():
         device = resolve_device(a, rank)
-    if rank == 0:
-        with user_input("--out"):
-            out.mkdir(parents=True, exist_ok=True)
+    with user_input("--out"):
+        out = resolve_out(a, rank, world)
     with user_input():
         d = prepare_data(a)
     torch.manual_seed(a.seed)
@@ -372,7 +531,8 @@ def train(a: argparse.Namespace) -> dict:
             if score > p.best["score"]:
                 p.best = {"score": score, "epoch": epoch + 1, "model": copy.deepcopy(model.state_dict())}
             checkpoint.save({"config": run_config(a, d), "model": model.state_dict(), "opt": opt.state_dict(),
-                             "history": p.history, "epoch": p.epoch, "best": p.best}, ckpt)
+                             "history": p.history, "epoch": p.epoch, "best": p.best, "item_ids": d.item_ids,
+                             "user_ids": d.user_ids}, ckpt)
             if not a.quiet:
                 print(json.dumps(record))
         if world > 1:

@@ -1,31 +1,84 @@
-"""Markdown tables for docs/models.md from runs' metrics.json: ``python tools/models_table.py RUN_DIR ...``."""
+"""Markdown tables for docs/models.md: mean +- std over seeds of each configuration's test metrics.
+
+    python tools/models_table.py ROOT_OR_RUN_DIR ...
+
+Every ``metrics.json`` under the given folders is one run; runs that differ only in ``--seed`` form one
+configuration (model, mask and its parameters, task tokens, data, epochs). Retrieval rows give HR@10 and
+NDCG@10, ranking rows the AUC of each task; std is the sample standard deviation (ddof 1; "-" for one run).
+"""
+
+from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
+import numpy as np
 
-def main(dirs):
-    runs = [(Path(d).name, json.loads((Path(d) / "metrics.json").read_text())) for d in dirs]
-    retrieval = [(n, r) for n, r in runs if r["args"]["task"] == "retrieval"]
-    ranking = [(n, r) for n, r in runs if r["args"]["task"] == "ranking"]
+TASKS = ("watched", "rated>=4", "rated5")
+
+
+def configuration(args: dict) -> tuple[str, str]:
+    """(task, a label naming what the runs of one configuration share)."""
+    if args["model"] == "hstu":
+        label = "HSTU, " + (f"SLA k1={args['sla_k1']} k2={args['sla_k2']}" if args["mask"] == "sla" else "causal")
+    elif args["model"] == "onerank":
+        label = "OneRank, " + ("no task tokens (targets mask)" if args["no_task_tokens"] else "task tokens")
+    else:
+        label = {"sasrec": "SASRec-style", "popularity": "popularity"}[args["model"]]
+    data = Path(args["data"]).name
+    return args["task"], f"{label} | {data} | {args['epochs'] if args['model'] != 'popularity' else '-'}"
+
+
+def mean_std(values: list[float]) -> str:
+    mean = float(np.mean(values))
+    std = f"{float(np.std(values, ddof=1)):.4f}" if len(values) > 1 else "-"
+    return f"{mean:.4f} +- {std}"
+
+
+def collect(folders: list[str]) -> dict[tuple[str, str], list[dict]]:
+    """Test metrics of every complete run (one with a 'test' entry) under ``folders``, by configuration."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for folder in folders:
+        for path in sorted(Path(folder).rglob("metrics.json")):
+            run = json.loads(path.read_text())
+            if run.get("test"):
+                groups.setdefault(configuration(run["args"]), []).append(run["test"])
+    return groups
+
+
+def tables(groups: dict[tuple[str, str], list[dict]]) -> str:
+    lines = []
+    retrieval = {label: runs for (task, label), runs in groups.items() if task == "retrieval"}
+    ranking = {label: runs for (task, label), runs in groups.items() if task == "ranking"}
     if retrieval:
-        print("| run | model | mask | seed | epochs | test HR@10 | test NDCG@10 | train s |")
-        print("|---|---|---|---|---|---|---|---|")
-        for n, r in retrieval:
-            a, t = r["args"], r["test"]
-            secs = sum(h["seconds"] for h in r["history"])
-            mask = a["mask"] if a["model"] == "hstu" else "-"
-            print(f"| {n} | {a['model']} | {mask} | {a['seed']} | {a['epochs'] if r['history'] else '-'} "
-                  f"| {t['HR@10']:.4f} | {t['NDCG@10']:.4f} | {secs:.0f} |")
+        lines += ["| model | data | epochs | seeds | test HR@10 | test NDCG@10 |", "|---|---|---|---|---|---|"]
+        for label, runs in retrieval.items():
+            lines.append(f"| {label} | {len(runs)} | {mean_std([r['HR@10'] for r in runs])} | "
+                         f"{mean_std([r['NDCG@10'] for r in runs])} |")
     if ranking:
-        keys = list(ranking[0][1]["test"])
-        print("\n| run | task tokens | " + " | ".join(keys) + " |")
-        print("|---|---|" + "---|" * len(keys))
-        for n, r in ranking:
-            print(f"| {n} | {'no' if r['args']['no_task_tokens'] else 'yes'} | "
-                  + " | ".join(f"{r['test'][k]:.4f}" for k in keys) + " |")
+        header = "| model | data | epochs | seeds | " + " | ".join(f"test AUC {t}" for t in TASKS) + " |"
+        lines += ["" if lines else None, header, "|---|---|---|---|" + "---|" * len(TASKS)]
+        for label, runs in ranking.items():
+            cells = [mean_std([r[f"AUC {t}"] for r in runs if not math.isnan(r[f"AUC {t}"])] or [math.nan])
+                     for t in TASKS]
+            lines.append(f"| {label} | {len(runs)} | " + " | ".join(cells) + " |")
+    return "\n".join(x for x in lines if x is not None)
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
+        return 2
+    groups = collect(argv)
+    if not groups:
+        print(f"models_table: error: no complete run (metrics.json with test metrics) under {' '.join(argv)}",
+              file=sys.stderr)
+        return 2
+    print(tables(groups))
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))

@@ -19,7 +19,12 @@ class UserError(Exception):
 
 
 class Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line (no usage block) with exit status 2."""
+    """An argument parser whose errors are one line (no usage block) with exit status 2, and whose ``--help``
+    shows every option's default after its sentence."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\n")

@@ -3,7 +3,9 @@
 Sources: ``ml-100k`` is read from the ``recbole`` wheel's bundled copy
 (``recbole/dataset_example/ml-100k/ml-100k.inter``; located without importing
 recbole), ``ratings.dat`` (ML-1M, ``::``-separated) and ``ratings.csv`` (ML-20M,
-with a header) from a path, and ``synthetic`` from a seeded generator.
+with a header) from a path, and ``synthetic`` from a seeded generator. Any other
+CSV or Parquet file of interactions is read with a column mapping (``columns=``,
+the command line's ``--columns user=uid,item=iid,time=ts,rating=r``).
 """
 
 from __future__ import annotations
@@ -19,14 +21,19 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 COLUMNS = ("user", "item", "rating", "timestamp")
+MAPPED = ("user", "item", "time", "rating")  # the keys of a column mapping; rating is optional
 
 
 @dataclass
 class Interactions:
-    """Columns as int64 numpy arrays; items re-indexed to 1..num_items (0 is padding)."""
+    """Columns as int64 (rating float64) numpy arrays; items re-indexed to 1..num_items (0 is padding).
+
+    ``item_ids[i - 1]`` is the file's id of item ``i``. ``user`` holds the file's user ids when they are
+    integers; otherwise codes ``0..U-1`` with ``user_ids[u]`` the file's id of code ``u``."""
 
     user: np.ndarray
     item: np.ndarray
@@ -34,6 +41,8 @@ class Interactions:
     timestamp: np.ndarray
     num_items: int
     name: str
+    item_ids: np.ndarray | None = None
+    user_ids: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.user)
@@ -115,23 +124,81 @@ def _cache_path(source: Path, cache_dir: Path) -> Path:
     return cache_dir / f"{source.stem}-{key}.parquet"
 
 
-def _check_table(table: pa.Table, where: str) -> None:
+def _check_table(table: pa.Table, where: str, names: dict[str, str] | None = None) -> None:
+    """The four columns, typed; ``names`` maps them to the file's column names for error messages."""
+    names = names or {c: c for c in COLUMNS}
     for c in COLUMNS:
         if c not in table.column_names:
             raise ValueError(f"{where}: expected column '{c}', missing (found {table.column_names})")
     if table.num_rows == 0:
         raise ValueError(f"{where}: expected interactions, got an empty table")
-    for c in ("user", "item", "timestamp"):
-        if not pa.types.is_integer(table.schema.field(c).type):
-            raise ValueError(f"{where}: column '{c}' expected integers, got {table.schema.field(c).type}")
+    for c in COLUMNS:
+        kind = table.schema.field(c).type
+        ok = {"user": pa.types.is_integer(kind) or pa.types.is_string(kind) or pa.types.is_large_string(kind),
+              "item": pa.types.is_integer(kind) or pa.types.is_string(kind) or pa.types.is_large_string(kind),
+              "timestamp": pa.types.is_integer(kind),
+              "rating": pa.types.is_integer(kind) or pa.types.is_floating(kind)}[c]
+        expected = {"user": "integer or string ids", "item": "integer or string ids", "timestamp": "integers",
+                    "rating": "numbers"}[c]
+        if not ok:
+            raise ValueError(f"{where}: column '{names[c]}' expected {expected}, got {kind}")
+        if table.column(c).null_count:
+            raise ValueError(f"{where}: column '{names[c]}' expected a value in every row, got "
+                             f"{table.column(c).null_count} empty")
 
 
-def _to_interactions(table: pa.Table, name: str) -> Interactions:
-    _check_table(table, name)
-    cols = {c: table.column(c).to_numpy() for c in COLUMNS}
-    _, item = np.unique(cols["item"], return_inverse=True)
-    return Interactions(cols["user"].astype(np.int64), item.astype(np.int64) + 1, cols["rating"].astype(np.float64),
-                        cols["timestamp"].astype(np.int64), int(item.max()) + 1, name)
+def _to_interactions(table: pa.Table, name: str, names: dict[str, str] | None = None) -> Interactions:
+    _check_table(table, name, names)
+    cols = {c: table.column(c).to_numpy(zero_copy_only=False) for c in COLUMNS}
+    item_ids, item = np.unique(cols["item"], return_inverse=True)
+    user, user_ids = cols["user"], None
+    if not np.issubdtype(user.dtype, np.integer):
+        user_ids, user = np.unique(user, return_inverse=True)
+    rating = cols["rating"].astype(np.float64)
+    if not np.isfinite(rating).all():
+        raise ValueError(f"{name}: column '{(names or {}).get('rating', 'rating')}' expected finite numbers")
+    return Interactions(user.astype(np.int64), item.astype(np.int64) + 1, rating, cols["timestamp"].astype(np.int64),
+                        len(item_ids), name, item_ids, user_ids)
+
+
+def parse_columns(text: str) -> dict[str, str]:
+    """``user=uid,item=iid,time=ts[,rating=r]`` -> ``{"user": "uid", ...}`` (user, item and time required)."""
+    mapping = {}
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        key, sep, column = (x.strip() for x in part.partition("="))
+        if not sep or key not in MAPPED or not column:
+            raise ValueError(f"--columns: expected comma-separated KEY=COLUMN with KEY in {', '.join(MAPPED)}, "
+                             f"got '{part}'")
+        if key in mapping:
+            raise ValueError(f"--columns: expected each key once, got '{key}' twice")
+        mapping[key] = column
+    missing = [k for k in MAPPED[:3] if k not in mapping]
+    if missing:
+        raise ValueError(f"--columns: expected user, item and time (rating is optional), missing {', '.join(missing)}")
+    return mapping
+
+
+def _read_mapped(source: Path, columns: dict[str, str]) -> Interactions:
+    """A CSV or Parquet file of interactions whose columns ``columns`` names; a missing rating is 1.0."""
+    try:
+        if source.suffix == ".parquet":
+            table = pq.read_table(source)
+        elif source.suffix == ".csv":
+            table = pacsv.read_csv(source)
+        else:
+            raise ValueError(f"{source}: expected a .csv or .parquet file with --columns, got '{source.suffix}'")
+    except pa.ArrowException as e:
+        raise ValueError(f"{source}: could not read it as {source.suffix[1:]} ({e})") from e
+    for key, column in columns.items():
+        if column not in table.column_names:
+            raise ValueError(f"{source}: expected column '{column}' (--columns {key}={column}), missing "
+                             f"(found {table.column_names})")
+    rating = table.column(columns["rating"]) if "rating" in columns else pa.array(np.ones(table.num_rows))
+    picked = pa.table({"user": table.column(columns["user"]), "item": table.column(columns["item"]),
+                       "rating": rating, "timestamp": table.column(columns["time"])})
+    names = {"user": columns["user"], "item": columns["item"], "timestamp": columns["time"],
+             "rating": columns.get("rating", "rating")}
+    return _to_interactions(picked, str(source), names)
 
 
 def _write_cache(cols: dict[str, np.ndarray], target: Path) -> None:
@@ -157,16 +224,22 @@ def _read_cache(target: Path) -> pa.Table | None:
         return None
 
 
-def load(data: str, cache_dir: str | os.PathLike | None = None) -> Interactions:
-    """``ml-100k``, ``synthetic``, a ratings file, or a Parquet file with the four columns.
+def load(data: str, cache_dir: str | os.PathLike | None = None, columns: dict[str, str] | None = None) -> Interactions:
+    """``ml-100k``, ``synthetic``, a ratings file, or a Parquet file with the four columns; with ``columns``
+    (``{"user": ..., "item": ..., "time": ..., "rating": ...}``, rating optional) any CSV or Parquet file.
 
     A ratings file is parsed once and cached as Parquet in ``cache_dir`` (default ``$FLEXHSTU_CACHE`` or
-    ``~/.cache/flexhstu``), keyed by its path, size and modification time; a corrupt cache is rebuilt."""
+    ``~/.cache/flexhstu``), keyed by its path, size and modification time; a corrupt cache is rebuilt. A
+    mapped file is read directly (pyarrow's readers are fast)."""
     if data == "synthetic":
+        if columns:
+            raise ValueError("--columns: expected a CSV or Parquet --data file, got --data synthetic")
         return synthetic()
     source = recbole_ml100k_path() if data == "ml-100k" else Path(data)
     if not source.is_file():
         raise FileNotFoundError(f"--data: expected ml-100k, synthetic or a ratings file, got '{data}' (no such file)")
+    if columns:
+        return _read_mapped(source, columns)
     if source.suffix == ".parquet":
         try:
             table = pq.read_table(source)
@@ -199,4 +272,5 @@ def synthetic(num_users: int = 300, num_items: int = 200, length: int = 40, seed
             items.append(cur + 1)
             ratings.append(5.0 if on_cycle else float(rng.integers(1, 4)))
             times.append(t)
-    return Interactions(np.array(users), np.array(items), np.array(ratings), np.array(times), num_items, "synthetic")
+    return Interactions(np.array(users), np.array(items), np.array(ratings), np.array(times), num_items, "synthetic",
+                        np.arange(1, num_items + 1))

@@ -11,12 +11,14 @@ from .movielens import Interactions
 
 @dataclass
 class UserSequences:
-    """Chronological items, ratings and timestamps of each user (users with >= 3 events)."""
+    """Chronological items, ratings and timestamps of each user (users with >= 3 events); ``users[s]`` is the
+    ``Interactions.user`` value of sequence ``s``."""
 
     items: list[np.ndarray]
     ratings: list[np.ndarray]
     times: list[np.ndarray]
     num_items: int
+    users: np.ndarray
 
 
 def user_sequences(data: Interactions, min_len: int = 3) -> UserSequences:
@@ -26,7 +28,7 @@ def user_sequences(data: Interactions, min_len: int = 3) -> UserSequences:
     starts, ends = np.concatenate([[0], bounds]), np.concatenate([bounds, [len(user)]])
     keep = [(s, e) for s, e in zip(starts, ends) if e - s >= min_len]
     return UserSequences([item[s:e] for s, e in keep], [rating[s:e] for s, e in keep], [ts[s:e] for s, e in keep],
-                         data.num_items)
+                         data.num_items, np.array([user[s] for s, _ in keep], dtype=np.int64))
 
 
 def leave_one_out(data: Interactions) -> tuple[UserSequences, list[int], list[int]]:

@@ -20,12 +20,14 @@ TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def triton_unsupported_reason(
-    q: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | FixedRule, dropout_pr: float
+    q: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | FixedRule, dropout_pr: float, *,
+    attn_scale: torch.Tensor | None = None,
 ) -> str | None:
     """Why the Triton kernels cannot run this call, as ``arg: expected X, got Y``; None when they can.
 
     ``q (total, H, Dqk)``, ``v (total, H, Dv)``; ``mask`` is the func or the fixed
-    rule's parameters; ``dropout_pr`` is the rate applied (0.0 outside training).
+    rule's parameters; ``dropout_pr`` is the rate applied (0.0 outside training);
+    ``attn_scale`` the output scale, ``()`` or ``(total,)``, or None.
     """
     if importlib.util.find_spec("triton") is None:
         return "kernel: expected a backend that is installed (Kernel.TRITON needs triton: pip install 'flexhstu[gpu]')"
@@ -38,6 +40,11 @@ def triton_unsupported_reason(
             return f"{name}: expected a head dim from {MIN_HEAD_DIM} to {MAX_HEAD_DIM} for Kernel.TRITON, got {d}"
     if dropout_pr > 0.0:
         return f"dropout_pr: expected 0.0 (or training=False) for Kernel.TRITON, which has no dropout, got {dropout_pr}"
+    if attn_scale is not None:
+        return (
+            "attn_scale: expected None for Kernel.TRITON (the kernels take no per-row scale yet; scaling_seqlen "
+            f"gives a uniform one), got a tensor of shape {tuple(attn_scale.shape)}"
+        )
     if isinstance(mask, FixedRule) and not mask.causal:
         used = {
             "num_targets": mask.num_targets is not None,

@@ -44,7 +44,8 @@ class _Call(NamedTuple):
     seq_offsets: torch.Tensor
     mask: torch.Tensor | FixedRule  # the func, or the fixed rule's parameters
     alpha: float
-    scaling: float  # divides every row
+    scaling: float  # divides every row when attn_scale is None
+    attn_scale: torch.Tensor | None  # () or (total,): multiplies every row (or row t) instead
     max_seq_len: int
     dropout_pr: float  # the rate applied: 0.0 outside training
 
@@ -65,6 +66,7 @@ def hstu_mha(
     min_full_attn_seq_len: int = 0,
     attn_func: torch.Tensor | None = None,
     scaling_seqlen: int = -1,
+    attn_scale: torch.Tensor | None = None,
     kernel: Kernel = Kernel.AUTO,
 ) -> torch.Tensor:
     """HSTU attention over a jagged batch: ``O = (silu(alpha Q K^T) * M) V / scaling_seqlen``.
@@ -88,23 +90,28 @@ def hstu_mha(
       integer ``(B,)`` tensor with ``0 <= T <= L``.
     - ``dropout_pr``: in ``[0, 1)``, applied to ``A`` when ``training``.
     - ``scaling_seqlen``: finite; ``<= 0`` means ``max_seq_len`` (1 when that is 0).
+    - ``attn_scale``: a floating tensor, scalar ``()`` or one factor per query row
+      ``(total,)``, on q's device, used instead of ``1 / scaling_seqlen`` (leave that at
+      its default): ``A = silu(S) * M * attn_scale[row]`` (docs/design.md, section 10).
     - ``kernel``: ``Kernel.AUTO`` runs Triton on CUDA tensors it supports and the
       PyTorch reference otherwise; an explicit backend that cannot run the call raises.
     """
     rule = FixedRule(causal, num_targets, max_attn_len, contextual_seq_len, min_full_attn_seq_len)
     call = _checked_call(
-        max_seq_len, alpha, q, k, v, seq_offsets, rule, attn_func, dropout_pr, training, scaling_seqlen
+        max_seq_len, alpha, q, k, v, seq_offsets, rule, attn_func, dropout_pr, training, scaling_seqlen, attn_scale
     )
     backend = _choose_backend(kernel, call)
     return _BACKENDS[backend](call)
 
 
 def _checked_call(
-    max_seq_len, alpha, q, k, v, seq_offsets, rule, attn_func, dropout_pr, training, scaling_seqlen
+    max_seq_len, alpha, q, k, v, seq_offsets, rule, attn_func, dropout_pr, training, scaling_seqlen, attn_scale
 ) -> _Call:
     _check_qkv(q, k, v)
     check_offsets_meta(seq_offsets)
-    _check_same_device(q, seq_offsets=seq_offsets, num_targets=rule.num_targets, attn_func=attn_func)
+    _check_same_device(
+        q, seq_offsets=seq_offsets, num_targets=rule.num_targets, attn_func=attn_func, attn_scale=attn_scale
+    )
     max_seq_len = as_int("max_seq_len", max_seq_len)
     rule = _checked_rule(rule, seq_offsets.numel() - 1)
     if attn_func is not None:
@@ -116,11 +123,13 @@ def _checked_call(
         _assert_values_on_device(seq_offsets, total, rule.num_targets)
     alpha = q.shape[2] ** -0.5 if alpha is None else as_finite("alpha", alpha)
     scaling = -1.0 if scaling_seqlen is None else as_finite("scaling_seqlen", scaling_seqlen)
+    if attn_scale is not None:
+        _check_attn_scale(attn_scale, total, scaling)
     if scaling <= 0:
         scaling = float(max_seq_len) or 1.0
     rate = _probability(dropout_pr) if training else 0.0
     mask = attn_func if attn_func is not None else rule
-    return _Call(q, k, v, seq_offsets, mask, alpha, scaling, max_seq_len, rate)
+    return _Call(q, k, v, seq_offsets, mask, alpha, scaling, attn_scale, max_seq_len, rate)
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -166,6 +175,21 @@ def _check_func_alone(attn_func: torch.Tensor, rule: FixedRule, q: torch.Tensor)
     check_func_meta(attn_func, total=q.shape[0], nheads=q.shape[1], arg="attn_func")
 
 
+def _check_attn_scale(attn_scale: object, total: int, scaling: float) -> None:
+    if not isinstance(attn_scale, torch.Tensor):
+        raise bad_type("attn_scale", "a torch.Tensor of shape () or (total,)", type(attn_scale).__name__)
+    if attn_scale.dim() != 0 and tuple(attn_scale.shape) != (total,):
+        expected = f"shape () or one factor per query row ({total},)"
+        raise bad_value("attn_scale", expected, f"shape {tuple(attn_scale.shape)}")
+    if not attn_scale.dtype.is_floating_point:
+        raise bad_type("attn_scale", "a floating dtype", attn_scale.dtype)
+    if scaling > 0:
+        raise ValueError(
+            f"scaling_seqlen: expected the default -1 when attn_scale is given (it replaces scaling_seqlen), "
+            f"got {scaling:g}"
+        )
+
+
 def _probability(dropout_pr: object) -> float:
     if isinstance(dropout_pr, (bool, torch.Tensor)) or not isinstance(dropout_pr, numbers.Real):
         raise bad_type("dropout_pr", "a probability in [0, 1)", type(dropout_pr).__name__)
@@ -208,10 +232,10 @@ def _choose_backend(kernel: Kernel | str, call: _Call) -> Kernel:
     except ValueError:
         raise bad_value("kernel", f"one of {[k.value for k in Kernel]}", repr(kernel)) from None
     if kernel == Kernel.AUTO:
-        reason = triton_unsupported_reason(call.q, call.v, call.mask, call.dropout_pr)
+        reason = triton_unsupported_reason(call.q, call.v, call.mask, call.dropout_pr, attn_scale=call.attn_scale)
         return Kernel.TRITON if call.q.is_cuda and reason is None else Kernel.PYTORCH
     if kernel == Kernel.TRITON:
-        reason = triton_unsupported_reason(call.q, call.v, call.mask, call.dropout_pr)
+        reason = triton_unsupported_reason(call.q, call.v, call.mask, call.dropout_pr, attn_scale=call.attn_scale)
         if reason is not None:
             raise ValueError(f"{reason}; Kernel.PYTORCH runs every input")
     if kernel == Kernel.CUTLASS:
@@ -222,7 +246,7 @@ def _choose_backend(kernel: Kernel | str, call: _Call) -> Kernel:
 def _run_pytorch(c: _Call) -> torch.Tensor:
     return pytorch_hstu_mha(
         c.q, c.k, c.v, c.seq_offsets, c.mask, alpha=c.alpha, scaling_seqlen=c.scaling, max_seq_len=c.max_seq_len,
-        dropout_pr=c.dropout_pr,
+        dropout_pr=c.dropout_pr, attn_scale=c.attn_scale,
     )
 
 
@@ -230,6 +254,9 @@ def _run_triton(c: _Call) -> torch.Tensor:
     from .triton import triton_hstu_mha
 
     common = dict(alpha=c.alpha, out_scale=1.0 / c.scaling, max_seq_len=c.max_seq_len)
+    if c.attn_scale is not None:  # reached once the capability predicate accepts attn_scale
+        rows = c.attn_scale.to(torch.float32).expand(c.q.shape[0]).contiguous()
+        common.update(out_scale=1.0, attn_scale=rows)
     if isinstance(c.mask, torch.Tensor):
         return triton_hstu_mha(c.q, c.k, c.v, c.seq_offsets, func=c.mask, **common)
     rule = c.mask

@@ -24,7 +24,12 @@ def _status(argv) -> int:
     (["show-mask", "onerank", "--lengths", "20"], "--targets: expected one target count per sequence"),
     (["show-mask", "onerank", "--lengths", "20", "--targets", "3"], "num_targets[0]: expected a multiple of"),
     (["show-mask", "sla", "--lengths", "20,4", "--targets", "1"], "--targets: expected 2 values"),
-    (["show-mask", "sla", "--lengths", "20", "--k1", "0"], "argument --k1: expected an integer >= 1, got 0"),
+    (["show-mask", "sla", "--lengths", "20", "--sla-k1", "0"], "argument --sla-k1: expected an integer >= 1, got 0"),
+    (["show-mask", "sla", "--lengths", "20,600"], "--lengths: expected lengths up to 512"),
+    (["show-mask", "causal", "--lengths", "1,2,3,4,5,6,7,8,9"], "--lengths: expected at most 8 sequences"),
+    (["show-mask", "sla", "--lengths", "20", "--k1", "3"], "unrecognized arguments: --k1 3"),
+    (["train", "--data", "synthetic", "--out", "/dev/null/run"], "--out: Not a directory"),
+    (["train", "--data", "synthetic", "--epochs", "0"], "argument --epochs: expected an integer >= 1, got 0"),
     (["show-mask", "sla", "--lengths", "20", "-o", "/nonexistent-dir/m.png"], "--output: No such file or directory"),
     (["demo", "--out", "/dev/null/x"], "--out: Not a directory"),
     (["train", "--device", "cuda", "--data", "synthetic"], "--device: expected cpu (CUDA is not available here)"),
@@ -33,7 +38,7 @@ def _status(argv) -> int:
 ])
 def test_a_mistake_is_one_line_and_status_2(tmp_path, capsys, monkeypatch, argv, fragment):
     if argv[0] == "train":
-        argv = argv + ["--out", str(tmp_path / "run"), "--quiet"]
+        argv = argv + ([] if "--out" in argv else ["--out", str(tmp_path / "run")]) + ["--quiet"]
         monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     else:
         monkeypatch.chdir(tmp_path)

@@ -112,3 +112,48 @@ def test_an_unreadable_parquet_data_file_gets_a_clear_error(tmp_path):
     f.write_bytes(b"PAR1 but not really")
     with pytest.raises(ValueError, match=r"events\.parquet: expected a Parquet file, could not read it"):
         load(str(f))
+
+
+def _events(tmp_path, name="events.csv"):
+    f = tmp_path / name
+    f.write_text("ts,uid,iid,stars,extra\n10,alice,m9,4,x\n12,bob,m3,5,y\n11,alice,m3,2,z\n13,alice,m1,1,w\n")
+    return f
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_any_csv_or_parquet_is_read_through_a_column_mapping(tmp_path, fmt):
+    import pyarrow.csv as pacsv
+
+    f = _events(tmp_path)
+    if fmt == "parquet":
+        pq.write_table(pacsv.read_csv(f), tmp_path / "events.parquet")
+        f = tmp_path / "events.parquet"
+    d = load(str(f), columns={"user": "uid", "item": "iid", "time": "ts", "rating": "stars"})
+    assert d.user_ids.tolist() == ["alice", "bob"] and d.user.tolist() == [0, 1, 0, 0]
+    assert d.item_ids.tolist() == ["m1", "m3", "m9"] and d.item.tolist() == [3, 2, 2, 1]
+    assert d.timestamp.tolist() == [10, 12, 11, 13] and d.rating.tolist() == [4.0, 5.0, 2.0, 1.0]
+    unrated = load(str(f), columns={"user": "uid", "item": "iid", "time": "ts"})
+    assert unrated.rating.tolist() == [1.0] * 4
+
+
+@pytest.mark.parametrize("columns,msg", [
+    ({"user": "uid", "item": "movie", "time": "ts"}, r"events.csv: expected column 'movie' \(--columns item=movie\), "
+                                                     r"missing \(found \['ts', 'uid', 'iid', 'stars', 'extra'\]\)"),
+    ({"user": "uid", "item": "iid", "time": "extra"}, r"events.csv: column 'extra' expected integers, got string"),
+    ({"user": "uid", "item": "iid", "time": "ts", "rating": "extra"},
+     r"events.csv: column 'extra' expected numbers, got string"),
+])
+def test_a_mapped_file_names_itself_and_the_bad_column(tmp_path, columns, msg):
+    with pytest.raises(ValueError, match=msg):
+        load(str(_events(tmp_path)), columns=columns)
+
+
+def test_column_mappings_are_parsed_and_checked():
+    from flexhstu.data.movielens import parse_columns
+
+    assert parse_columns("user=uid, item=iid,time=ts,rating=r") == {"user": "uid", "item": "iid", "time": "ts",
+                                                                     "rating": "r"}
+    for bad, msg in (("user=uid,item=iid", "missing time"), ("user=uid,item=iid,time=ts,score=s", "KEY in"),
+                     ("user=uid,user=u2,item=i,time=t", "'user' twice"), ("user,item=i,time=t", "got 'user'")):
+        with pytest.raises(ValueError, match=msg):
+            parse_columns(bad)

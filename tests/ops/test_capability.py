@@ -34,6 +34,7 @@ UNSUPPORTED = {
     "non-causal-targets": (
         {}, dict(causal=False, num_targets=torch.tensor([1, 1])), r"causal: expected True with num_targets"
     ),
+    "attn-scale": ({}, dict(attn_scale=torch.full((8,), 0.5)), r"attn_scale: expected None for Kernel.TRITON"),
     "non-causal-window": ({}, dict(causal=False, max_attn_len=2), r"causal: expected True with max_attn_len"),
     "non-causal-contextual": (
         {}, dict(causal=False, contextual_seq_len=1), r"causal: expected True with contextual_seq_len"
@@ -41,10 +42,11 @@ UNSUPPORTED = {
 }
 
 
-def rule_and_rate(kw):
+def rule_rate_and_scale(kw):
     kw = dict(kw)
     rate = kw.pop("dropout_pr", 0.0)
-    return FixedRule(**kw), rate
+    scale = kw.pop("attn_scale", None)
+    return FixedRule(**kw), rate, scale
 
 
 @pytest.mark.parametrize("name", sorted(UNSUPPORTED))
@@ -52,8 +54,8 @@ def test_predicate_names_the_unsupported_argument(name, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     shape_kw, call_kw, msg = UNSUPPORTED[name]
     q, _, v = qkv(**shape_kw)
-    rule, rate = rule_and_rate(call_kw)
-    reason = triton_unsupported_reason(q, v, rule, rate)
+    rule, rate, scale = rule_rate_and_scale(call_kw)
+    reason = triton_unsupported_reason(q, v, rule, rate, attn_scale=scale)
     assert reason is not None and re.search(msg, reason), reason
 
 

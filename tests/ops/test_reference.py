@@ -230,3 +230,34 @@ def test_padding_follows_the_longest_sequence_not_max_seq_len():
     huge = flexhstu.hstu_mha(65536, None, q, k, v, offs, scaling_seqlen=6, kernel=Kernel.PYTORCH)
     tight = flexhstu.hstu_mha(6, None, q, k, v, offs, kernel=Kernel.PYTORCH)
     torch.testing.assert_close(huge, tight, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["causal", "fixed", "onerank"])
+def test_per_row_attn_scale_multiplies_each_query_row_forward_and_backward(name):
+    lengths = LENGTHS
+    offs = offsets_from(lengths)
+    n = max(lengths)
+    func = mask_cases(lengths)[name]
+    q, k, v = make_batch(lengths, seed=4)
+    scale = torch.rand(sum(lengths), dtype=torch.float64, generator=torch.Generator().manual_seed(1)) + 0.1
+    inputs = [x.clone().requires_grad_(True) for x in (q, k, v, scale)]
+    out = flexhstu.hstu_mha(n, 0.4, *inputs[:3], offs, attn_func=func, attn_scale=inputs[3], kernel=Kernel.PYTORCH)
+    ref_inputs = [x.clone().requires_grad_(True) for x in (q, k, v, scale)]
+    qr, kr, vr, sr = ref_inputs
+    vis = masks.to_dense(func, offs, n)
+    ref = dense_attention_f64(qr, kr, vr, lengths, vis, 0.4, 1.0) * sr[:, None, None]
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    dout = torch.randn_like(out)
+    for got, want in zip(torch.autograd.grad(out, inputs, dout), torch.autograd.grad(ref, ref_inputs, dout)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_scalar_attn_scale_equals_the_reciprocal_scaling_seqlen():
+    lengths = [6, 0, 9]
+    offs = offsets_from(lengths)
+    q, k, v = make_batch(lengths, seed=2)
+    kw = dict(num_targets=torch.tensor([2, 0, 3]), kernel=Kernel.PYTORCH)
+    a = flexhstu.hstu_mha(9, None, q, k, v, offs, attn_scale=torch.tensor(0.25, dtype=torch.float64), **kw)
+    b = flexhstu.hstu_mha(9, None, q, k, v, offs, scaling_seqlen=4, **kw)
+    torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(a, flexhstu.hstu_mha(9, None, q, k, v, offs, **kw))  # the default 1/9 differs

@@ -76,7 +76,7 @@ def _write_truncated(p):
     lambda p: p.write_bytes(b""),
     _write_truncated,
     lambda p: p.write_bytes(b"not a checkpoint at all"),
-    lambda p: p.write_bytes(pickle.dumps({"epoch": 1})),
+    lambda p: p.write_bytes(pickle.dumps({"epoch": 1}, protocol=2)),  # torch.load's protocol: no warning
     lambda p: torch.save({"epoch": 1}, p),
 ], ids=["empty", "truncated", "garbage", "foreign-pickle", "foreign-torch"])
 def test_incomplete_or_foreign_checkpoints_get_one_clear_error(tmp_path, make):

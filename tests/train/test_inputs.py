@@ -81,7 +81,7 @@ def test_resume_refuses_a_run_that_changes_the_model_or_data(one_epoch, tmp_path
 
 def test_resume_refuses_other_data_behind_the_same_name(one_epoch, tmp_path, monkeypatch):
     out = _copy(one_epoch, tmp_path / "r")
-    monkeypatch.setattr(train, "load", lambda data: synthetic(num_users=200))  # same name, other contents
+    monkeypatch.setattr(train, "load", lambda data, columns: synthetic(num_users=200))  # same name, other contents
     with pytest.raises(UserError, match="--data-rows"):
         train.main(TINY + ["--epochs", "3", "--resume", "--out", out])
 
@@ -100,3 +100,34 @@ def test_resume_applies_a_new_learning_rate_and_more_epochs(one_epoch, tmp_path,
 def test_resume_without_a_checkpoint_is_an_error(tmp_path):
     with pytest.raises(UserError, match=r"--resume: expected a checkpoint at .*checkpoint\.pt, no such file"):
         train.main(TINY + ["--resume", "--out", str(tmp_path)])
+
+
+def _events_csv(tmp_path):
+    d = synthetic(num_users=40, num_items=30, length=8)
+    f = tmp_path / "events.csv"
+    rows = (f"{t},user-{u},item-{i}\n" for u, i, t in zip(d.user, d.item, d.timestamp))
+    f.write_text("when,who,what\n" + "".join(rows))
+    return str(f)
+
+
+def test_a_csv_of_string_ids_trains_through_a_column_mapping(tmp_path):
+    r = train.main(["--model", "popularity", "--data", _events_csv(tmp_path), "--columns",
+                    "user=who,item=what,time=when", "--out", str(tmp_path / "run"), "--quiet", "--device", "cpu"])
+    assert 0.0 <= r["test"]["HR@10"] <= 1.0 and r["args"]["columns"] == {"user": "who", "item": "what", "time": "when"}
+
+
+def test_a_missing_mapped_column_is_one_line_naming_the_file(tmp_path, capsys):
+    data = _events_csv(tmp_path)
+    status = train.cli(["--model", "popularity", "--data", data, "--columns", "user=who,item=film,time=when",
+                        "--out", str(tmp_path / "run"), "--quiet", "--device", "cpu"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and err == [f"flexhstu train: error: {data}: expected column 'film' (--columns item=film), "
+                                   "missing (found ['when', 'who', 'what'])"], err
+
+
+def test_a_bad_column_mapping_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        train.parse(["--columns", "user=who,item=what"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip() == ("flexhstu train: error: argument --columns: expected user, item and "
+                                               "time (rating is optional), missing time")

@@ -8,7 +8,18 @@ import numpy as np
 import pytest
 import torch
 
-from flexhstu.metrics import auc, hit_rate_and_ndcg, list_ndcg, ndcg_at, target_rank
+from flexhstu import train
+from flexhstu.metrics import (
+    auc,
+    gauc,
+    hit_rate_and_ndcg,
+    list_ndcg,
+    mrr,
+    ndcg_at,
+    parse_metrics,
+    ranks_to_metrics,
+    target_rank,
+)
 
 
 def test_auc_is_the_share_of_correctly_ordered_pairs_with_ties_counting_half():
@@ -49,3 +60,42 @@ def test_hit_rate_and_ndcg_count_ranks_below_k():
     assert got == {"HR@10": 0.5, "NDCG@10": pytest.approx((1 + 1 / math.log2(5)) / 4)}
     with pytest.raises(ValueError, match="ranks: expected at least one rank"):
         hit_rate_and_ndcg([])
+
+
+def test_mrr_is_the_mean_reciprocal_of_the_one_based_rank():
+    assert mrr([0, 1, 3]) == pytest.approx((1 + 1 / 2 + 1 / 4) / 3)
+    with pytest.raises(ValueError, match="ranks: expected at least one rank"):
+        mrr([])
+
+
+def test_gauc_weights_each_groups_auc_by_its_impressions_and_skips_one_class_groups():
+    scores = np.array([0.9, 0.1, 0.5, 0.2, 0.3, 0.7, 0.4, 0.6])
+    labels = np.array([1, 0, 0, 1, 0, 1, 1, 1])
+    # group [0, 2): AUC 1 (2 impressions); group [2, 6): positives 0.2, 0.7 vs negatives 0.5, 0.3 -> 2 of 4
+    # pairs won, AUC 0.5 (4 impressions); group [6, 8): positives only, skipped
+    assert gauc(scores, labels, np.array([0, 2, 6, 8])) == pytest.approx((2 * 1.0 + 4 * 0.5) / 6)
+    assert math.isnan(gauc(scores[6:], labels[6:], np.array([0, 2])))
+
+
+def test_ranks_give_hit_rate_ndcg_and_mrr_at_every_asked_cut_off():
+    ranks = [0, 30, 120, 400]
+    got = ranks_to_metrics(ranks, ["hr@10", "ndcg@50", "hr@200", "mrr"])
+    assert got == {"HR@10": 0.25, "NDCG@50": pytest.approx((1 + 1 / math.log2(32)) / 4), "HR@200": 0.75,
+                   "MRR": pytest.approx((1 + 1 / 31 + 1 / 121 + 1 / 401) / 4)}
+
+
+def test_metrics_names_keep_the_defaults_first_and_refuse_unknown_ones():
+    assert parse_metrics("hr@50, NDCG@200,mrr,hr@10", "retrieval") == ["hr@10", "ndcg@10", "hr@50", "ndcg@200", "mrr"]
+    assert parse_metrics(None, "ranking") == ["auc", "ndcg@10"]
+    assert parse_metrics("gauc", "ranking") == ["auc", "ndcg@10", "gauc"]
+    for bad, task in (("hr@0", "retrieval"), ("recall@5", "retrieval"), ("gauc", "retrieval"), ("mrr", "ranking"),
+                      ("hr@x", "retrieval")):
+        with pytest.raises(ValueError, match="--metrics: expected names from"):
+            parse_metrics(bad, task)
+
+
+def test_a_run_reports_the_asked_metrics_beside_the_default_keys(tmp_path):
+    result = train.main(["--model", "popularity", "--data", "synthetic", "--metrics", "hr@50,ndcg@200,mrr",
+                         "--out", str(tmp_path), "--quiet", "--device", "cpu"])
+    assert list(result["test"]) == ["HR@10", "NDCG@10", "HR@50", "NDCG@200", "MRR"]
+    assert result["test"]["HR@10"] <= result["test"]["HR@50"]

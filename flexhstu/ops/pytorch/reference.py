@@ -4,6 +4,8 @@ This file defines what every backend computes (docs/design.md, section 4)::
 
     S = alpha * Q K^T;  A = silu(S) * M / scaling_seqlen;  O = dropout(A) V
 
+or, with ``attn_scale`` (docs/design.md, section 10), ``A = silu(S) * M * attn_scale[row]``.
+
 Masking is by selection (``torch.where``), never by multiplication: a hidden or
 padded entry contributes exactly 0 whatever it holds, so a NaN or Inf in one
 sequence (or in a key a row does not see) cannot reach another row's output.
@@ -32,6 +34,7 @@ def pytorch_hstu_mha(
     scaling_seqlen: float,
     max_seq_len: int,
     dropout_pr: float = 0.0,
+    attn_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Jagged ``q, k (total, H, Dqk)``, ``v (total, H, Dv)``, offsets ``(B + 1,)`` -> ``(total, H, Dv)``.
 
@@ -42,6 +45,8 @@ def pytorch_hstu_mha(
     ``min(max_seq_len, total)`` and a longer sequence fails a device-side
     assertion. half and bfloat16 inputs are computed in float32 and the
     output cast back. ``dropout_pr`` is the rate to apply (0 outside training).
+    ``attn_scale``: ``()`` or ``(total,)``, multiplies row ``t`` instead of dividing by
+    ``scaling_seqlen``; autograd gives the backward (dO scaled the same way).
     """
     total, nheads, _ = q.shape
     if total == 0:  # keeps the output attached to the graph, so backward gives zero gradients
@@ -56,7 +61,13 @@ def pytorch_hstu_mha(
     visible = _decode(mask, offs, n)  # (B, Hf, N, N)
     # Hidden scores become 0 before silu: silu(0) = 0, and where sends them no gradient.
     s = torch.where(visible, torch.einsum("bihd,bjhd->bhij", qp, kp) * alpha, 0.0)
-    a = F.silu(s) / scaling_seqlen
+    if attn_scale is None:
+        a = F.silu(s) / scaling_seqlen
+    else:
+        scale = attn_scale.to(work)
+        if scale.dim():  # one factor per query row: padded like q, (B, 1, N, 1)
+            scale = torch.where(inside, scale[rows], 0.0)[:, None, :, None]
+        a = F.silu(s) * scale
     if dropout_pr > 0.0:
         a = F.dropout(a, p=dropout_pr)
     o = torch.einsum("bhij,bjhd->bihd", a, vp)

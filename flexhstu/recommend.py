@@ -1,0 +1,154 @@
+"""``flexhstu recommend``: top-K items per user from a trained run, in the data file's ids.
+
+A retrieval model ranks the whole catalogue for each user after the user's full history; a ranking
+model (OneRank) scores the candidates it is given, one score per task. Items the user has already seen
+are left out unless ``include_seen``. The checkpoint records the run's arguments and the data file's
+ids; the histories are read again from the run's data (or ``data=``, for a file that moved), which must
+be the file the model was trained on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import checkpoint
+from .cli.common import Parser, positive_int, run, user_input
+from .data import load
+from .data.sequences import user_sequences
+from .models import make_batch
+from .models.ranking import TASKS
+
+
+@dataclass
+class Recommendation:
+    """One user's answer: ``items`` in the data file's ids, best first, with their ``scores``
+    (retrieval: ``(k,)`` similarity; ranking: ``(k, len(TASKS))``, ordered by the first task)."""
+
+    user: object
+    items: list
+    scores: np.ndarray
+
+
+class Recommender:
+    """A trained model with the histories and ids of its run's data."""
+
+    def __init__(self, model: torch.nn.Module, config: dict, histories: dict, item_ids: list, device="cpu"):
+        self.model, self.config, self.device = model.eval(), config, torch.device(device)
+        self.histories = histories  # str(user id) -> (items, times), items as indices 1..num_items
+        self.item_ids = item_ids
+        self.item_index = {str(x): i + 1 for i, x in enumerate(item_ids)}
+        self.ranking = config["task"] == "ranking"
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, data: str | None = None, device="cpu") -> Recommender:
+        """The best-validation weights of the run of ``path`` (a ``checkpoint.pt``); ``data`` replaces the run's
+        ``--data`` path (same contents required)."""
+        from .train import build_model  # train imports the models and the command line; only needed here
+
+        path = Path(path)
+        state = checkpoint.load(path, map_location=device)
+        config = state["config"]
+        if "item_ids" not in state:
+            raise ValueError(f"{path}: expected a checkpoint that records the data's ids (written by this flexhstu "
+                             "version); train the run again")
+        source = data or config["data"]
+        loaded = load(source, columns=config.get("columns"))
+        if len(loaded) != config["data_rows"] or loaded.num_items != config["num_items"]:
+            raise ValueError(f"--data {source}: expected the run's data ({config['data_rows']} events, "
+                             f"{config['num_items']} items), got {len(loaded)} events, {loaded.num_items} items")
+        model = build_model(argparse.Namespace(**config), config["num_items"]).to(device)
+        best = state["best"].get("model")
+        model.load_state_dict(best if best is not None else state["model"])
+        seqs = user_sequences(loaded)
+        histories = {str(u): (items, times) for u, items, times in zip(state["user_ids"], seqs.items, seqs.times)}
+        return cls(model, config, histories, state["item_ids"], device)
+
+    def _history(self, user) -> tuple[np.ndarray, np.ndarray]:
+        if str(user) not in self.histories:
+            raise ValueError(f"--users: expected users of the run's data (with 3 or more events), got '{user}'")
+        return self.histories[str(user)]
+
+    def _candidates(self, candidates) -> np.ndarray:
+        missing = [c for c in candidates if str(c) not in self.item_index]
+        if missing:
+            raise ValueError(f"--candidates: expected items of the run's data, got '{missing[0]}'")
+        return np.array([self.item_index[str(c)] for c in candidates], dtype=np.int64)
+
+    @torch.no_grad()
+    def recommend(self, users: list, k: int = 10, *, candidates: list | None = None,
+                  include_seen: bool = False) -> list[Recommendation]:
+        """Top ``k`` items for each of ``users`` (the data file's ids), among ``candidates`` (ids) if given (a
+        ranking model needs them); seen items are left out unless ``include_seen``."""
+        if self.ranking and not candidates:
+            raise ValueError("--candidates: expected the items to score (a ranking model scores given candidates), "
+                             "got none")
+        cand = self._candidates(candidates) if candidates else None
+        return [self._one(user, k, cand, include_seen) for user in users]
+
+    def _one(self, user, k: int, cand: np.ndarray | None, include_seen: bool) -> Recommendation:
+        items, times = self._history(user)
+        max_len = self.config["max_len"]
+        if self.ranking:
+            pool = cand if include_seen else cand[~np.isin(cand, items)]
+            if not len(pool):
+                return Recommendation(user, [], np.zeros((0, len(TASKS)), dtype=np.float32))
+            hist, ht = items[-max_len:], times[-max_len:]
+            args = [torch.from_numpy(x).to(self.device) for x in (hist, ht)]
+            offs = [torch.tensor([0, n], device=self.device) for n in (len(hist), len(pool))]
+            scores = self.model(args[0], args[1], offs[0], torch.from_numpy(pool).to(self.device), offs[1]).cpu()
+            order = torch.argsort(scores[:, 0], descending=True, stable=True)[:k]
+            return Recommendation(user, [self.item_ids[i - 1] for i in pool[order.numpy()]], scores[order].numpy())
+        row = self.model.scores(make_batch([items], [times], max_len, with_targets=False).to(self.device))[0].cpu()
+        allowed = torch.zeros_like(row, dtype=torch.bool)
+        allowed[torch.from_numpy(cand) if cand is not None else slice(1, None)] = True  # item 0 is padding
+        if not include_seen:
+            allowed[torch.from_numpy(items)] = False
+        row = torch.where(allowed, row.float(), -torch.inf)
+        top = torch.topk(row, min(k, int(allowed.sum()))).indices
+        return Recommendation(user, [self.item_ids[i - 1] for i in top.tolist()], row[top].numpy())
+
+
+def build_parser() -> Parser:
+    p = Parser(prog="flexhstu recommend", description="Top-K items per user from a trained run, in the data's ids.")
+    p.add_argument("--checkpoint", default="runs/latest/checkpoint.pt", help="the run's checkpoint.pt")
+    p.add_argument("--users", required=True, help="comma-separated user ids of the run's data, e.g. 1,2,3")
+    p.add_argument("--k", type=positive_int, default=10, help="items per user")
+    p.add_argument("--candidates", default=None,
+                   help="comma-separated item ids to rank (required for a ranking model; else the whole catalogue)")
+    p.add_argument("--include-seen", action="store_true", help="keep items the user has already seen")
+    p.add_argument("--data", default=None, help="the run's data file, if it moved since training")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an input error")
+    return p
+
+
+def _ids(text: str | None) -> list[str] | None:
+    return [x.strip() for x in text.split(",") if x.strip()] if text else None
+
+
+def cli(argv=None) -> int:
+    """The command: one line per user, ``user U: item (score), ...``; exit status 2 for an input error."""
+    a = build_parser().parse_args(argv)
+
+    def command() -> int:
+        with user_input():
+            rec = Recommender.from_checkpoint(a.checkpoint, data=a.data, device=a.device)
+            answers = rec.recommend(_ids(a.users), a.k, candidates=_ids(a.candidates), include_seen=a.include_seen)
+        if rec.ranking:
+            print("scores: " + ", ".join(TASKS))
+        for r in answers:
+            scores = [f"{s:.4f}" if np.ndim(s) == 0 else "/".join(f"{x:.3f}" for x in s) for s in r.scores]
+            print(f"user {r.user}: " + ", ".join(f"{i} ({s})" for i, s in zip(r.items, scores)))
+        return 0
+
+    return run("flexhstu recommend", command, a.debug)
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -1,0 +1,91 @@
+"""Recommendations from a trained run: top-K unseen items in the data file's ids, or given candidates ranked."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from flexhstu import train
+from flexhstu.cli.main import main
+from flexhstu.data import load, synthetic
+from flexhstu.data.sequences import user_sequences
+from flexhstu.models import make_batch
+from flexhstu.recommend import Recommender
+
+TINY = ["--dim", "16", "--layers", "1", "--heads", "2", "--max-len", "20", "--batch-size", "64", "--negatives", "32",
+        "--quiet", "--device", "cpu", "--epochs", "1"]
+COLUMNS = {"user": "who", "item": "what", "time": "when", "rating": "stars"}
+
+
+@pytest.fixture(scope="module")
+def csv_run(tmp_path_factory):
+    """A one-epoch HSTU run on a CSV whose ids are strings."""
+    root = tmp_path_factory.mktemp("rec")
+    d = synthetic(num_users=60, num_items=40, length=20)
+    rows = (f"{t},u{u},i{i},{r:g}\n" for u, i, t, r in zip(d.user, d.item, d.timestamp, d.rating))
+    (root / "events.csv").write_text("when,who,what,stars\n" + "".join(rows))
+    data = str(root / "events.csv")
+    train.main(TINY + ["--data", data, "--columns", ",".join(f"{k}={v}" for k, v in COLUMNS.items()),
+                       "--out", str(root / "run")])
+    return root, data
+
+
+def test_retrieval_gives_the_k_best_unseen_items_in_the_files_ids(csv_run):
+    root, data = csv_run
+    rec = Recommender.from_checkpoint(root / "run" / "checkpoint.pt")
+    (answer,) = rec.recommend(["u3"], k=5)
+    loaded = load(data, columns=COLUMNS)
+    code = list(loaded.user_ids).index("u3")
+    seq = user_sequences(loaded)
+    s = int(np.flatnonzero(seq.users == code)[0])
+    seen = {loaded.item_ids[i - 1] for i in seq.items[s]}
+    scores = rec.model.scores(make_batch([seq.items[s]], [seq.times[s]], 20, with_targets=False))[0]
+    unseen = [i for i in range(1, loaded.num_items + 1) if loaded.item_ids[i - 1] not in seen]
+    want = sorted(unseen, key=lambda i: -float(scores[i]))[:5]  # independent ranking of the model's scores
+    assert answer.items == [loaded.item_ids[i - 1] for i in want]
+    assert not seen & set(answer.items) and list(answer.scores) == sorted(answer.scores, reverse=True)
+    with_seen = rec.recommend(["u3"], k=loaded.num_items, include_seen=True)[0]
+    assert seen <= set(with_seen.items)
+
+
+def test_retrieval_among_candidates_ranks_only_those(csv_run):
+    root, _ = csv_run
+    rec = Recommender.from_checkpoint(root / "run" / "checkpoint.pt")
+    (answer,) = rec.recommend(["u7"], k=10, candidates=["i1", "i2", "i5"], include_seen=True)
+    assert sorted(answer.items) == ["i1", "i2", "i5"]
+
+
+def test_the_command_prints_one_line_per_user_and_names_a_wrong_user(csv_run, capsys):
+    root, _ = csv_run
+    ckpt = str(root / "run" / "checkpoint.pt")
+    assert main(["recommend", "--checkpoint", ckpt, "--users", "u1,u2", "--k", "3"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split(":")[0] for line in lines] == ["user u1", "user u2"] and all(line.count("(") == 3
+                                                                                   for line in lines)
+    assert main(["recommend", "--checkpoint", ckpt, "--users", "nobody"]) == 2
+    assert capsys.readouterr().err.strip() == ("flexhstu recommend: error: --users: expected users of the run's data "
+                                               "(with 3 or more events), got 'nobody'")
+
+
+def test_a_ranking_model_scores_the_given_candidates_per_task(tmp_path):
+    train.main(TINY + ["--data", "synthetic", "--task", "ranking", "--model", "onerank", "--out", str(tmp_path)])
+    rec = Recommender.from_checkpoint(tmp_path / "checkpoint.pt")
+    (answer,) = rec.recommend([4], k=2, candidates=[5, 9, 12, 30], include_seen=True)
+    assert len(answer.items) == 2 and set(answer.items) <= {5, 9, 12, 30} and answer.scores.shape == (2, 3)
+    everything = rec.recommend([4], k=4, candidates=[5, 9, 12, 30], include_seen=True)[0]
+    assert answer.items == everything.items[:2] and answer.scores[0, 0] >= answer.scores[1, 0]
+    with pytest.raises(ValueError, match="--candidates: expected the items to score"):
+        rec.recommend([4])
+    with pytest.raises(ValueError, match="--candidates: expected items of the run's data, got '999'"):
+        rec.recommend([4], candidates=[999])
+
+
+def test_other_data_than_the_runs_is_refused(csv_run):
+    root, data = csv_run
+    lines = Path(data).read_text().splitlines()
+    other = root / "other.csv"
+    other.write_text("\n".join(lines[: len(lines) // 2]) + "\n")
+    with pytest.raises(ValueError, match=rf"--data {other}: expected the run's data \(\d+ events, 40 items\), got"):
+        Recommender.from_checkpoint(root / "run" / "checkpoint.pt", data=str(other))

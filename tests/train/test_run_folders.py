@@ -1,0 +1,74 @@
+"""Each run has its own folder; runs/latest follows the newest; --resume without --out continues it."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from flexhstu import train
+from flexhstu.cli.common import UserError
+
+TINY = ["--data", "synthetic", "--dim", "16", "--layers", "1", "--heads", "2", "--max-len", "20", "--batch-size", "64",
+        "--negatives", "32", "--device", "cpu"]
+
+
+def test_each_run_gets_its_own_folder_and_latest_points_to_the_newest(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    train.main(["--model", "popularity", "--data", "synthetic", "--device", "cpu"])
+    train.main(["--model", "popularity", "--data", "synthetic", "--metrics", "mrr", "--device", "cpu"])
+    runs = sorted(p for p in (tmp_path / "runs").iterdir() if not p.is_symlink())
+    assert len(runs) == 2 and all("-popularity" in p.name for p in runs)  # -2 when both start in one second
+    assert os.readlink(tmp_path / "runs" / "latest") == runs[1].name  # relative, to the newest
+    first, second = (json.loads((p / "metrics.json").read_text()) for p in runs)
+    assert "MRR" not in first["test"] and "MRR" in second["test"]  # nothing mixed between the runs
+    assert f"flexhstu train: wrote {runs[1].relative_to(tmp_path)}/ (metrics.json)" in capsys.readouterr().out
+
+
+def test_resume_without_out_continues_the_latest_run(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    train.main(TINY + ["--epochs", "2", "--stop-after", "1", "--quiet"])
+    run = (tmp_path / "runs" / "latest").resolve()
+    result = train.main(TINY + ["--epochs", "2", "--resume"])
+    captured = capsys.readouterr()
+    assert f"flexhstu train: resuming at epoch 2 of 2 from {run / 'checkpoint.pt'}" in captured.err
+    assert f"wrote {run}/ (checkpoint.pt, metrics.json, metrics.png); best epoch {result['best_epoch']} of 2" \
+        in captured.out
+    assert [p.name for p in (tmp_path / "runs").iterdir() if not p.is_symlink()] == [run.name]
+
+
+def test_a_folder_that_holds_a_run_is_refused_without_resume(tmp_path):
+    train.main(["--model", "popularity", "--data", "synthetic", "--device", "cpu", "--quiet", "--out", str(tmp_path)])
+    with pytest.raises(UserError, match=rf"--out: expected a folder without a run, got {tmp_path} holding "
+                                        r"metrics.json \(pass --resume"):
+        train.main(["--model", "popularity", "--data", "synthetic", "--device", "cpu", "--quiet", "--out",
+                    str(tmp_path)])
+
+
+def test_resume_without_any_run_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match=r"--resume: expected runs/latest \(the newest run\), no such run"):
+        train.main(TINY + ["--resume", "--quiet"])
+
+
+def test_a_latest_folder_of_an_older_version_is_not_overwritten(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "latest").mkdir(parents=True)
+    with pytest.raises(UserError, match=r"runs/latest: expected a symlink to the newest run, got a folder"):
+        train.main(["--model", "popularity", "--data", "synthetic", "--device", "cpu", "--quiet"])
+
+
+def test_the_plot_is_titled_and_puts_a_ranking_metrics_tasks_in_one_panel(tmp_path):
+    from PIL import Image
+
+    a = train.parse(["--task", "ranking", "--model", "onerank", "--no-task-tokens", "--data", "/x/events.csv",
+                     "--seed", "3"])
+    assert train.plot_title(a) == "onerank (targets mask) on events.csv, seed 3"
+    assert train.plot_title(train.parse(["--mask", "sla", "--sla-k1", "8"])) == \
+        "hstu (SLA k1=8 k2=4) on ml-100k, seed 0"
+    tasks = ("watched", "rated>=4", "rated5")
+    history = [{"epoch": e, "loss": 1.0 / e, **{f"valid {m} {t}": 0.5 for m in ("AUC", "NDCG@10", "GAUC")
+                                               for t in tasks}, "seconds": 1.0} for e in (1, 2, 3)]
+    train.plot(history, tmp_path / "m.png", "title", best_epoch=2)
+    assert Image.open(tmp_path / "m.png").size == (1520, 340)  # one row: loss, AUC, NDCG@10, GAUC
