@@ -319,3 +319,30 @@ def test_fp32_dot_precision_follows_allow_tf32(allow_tf32):
         torch.backends.cuda.matmul.allow_tf32 = saved
     assert fp32 == ("tf32" if allow_tf32 else "ieee")
     assert fp16 == "tf32"
+
+
+@pytest.mark.parametrize("name", ["causal", "fixed", "sla"])
+def test_nan_and_inf_in_one_sequence_never_reach_another(name):
+    lengths = [37, 21, 30]
+    offs = offsets_from(lengths).to(DEVICE)
+    kw = to_device(mask_case(name, offs.cpu(), lengths, 1))
+    clean = batch(lengths, heads=1, dqk=16, dv=16, seed=9)
+    dout = torch.randn(sum(lengths), 1, 16, generator=torch.Generator().manual_seed(10)).to(DEVICE)
+    bad = slice(37, 58)  # sequence 1
+    dirty = [x.detach().clone() for x in clean]
+    for x, value in zip(dirty, (float("nan"), float("inf"), float("nan"))):
+        x[bad][::2] = value
+        x[bad][1::3] = -float("inf")
+    dirty = [x.requires_grad_(True) for x in dirty]
+    dout_dirty = dout.clone()
+    dout_dirty[bad][::4] = float("nan")
+    results = []
+    for (q, k, v), do in ((clean, dout), (dirty, dout_dirty)):
+        out = flexhstu.hstu_mha(37, None, q, k, v, offs, kernel=Kernel.TRITON, **kw)
+        results.append((out, *torch.autograd.grad(out, (q, k, v), do)))
+    keep = torch.ones(sum(lengths), dtype=torch.bool)
+    keep[bad] = False
+    for c, d, what in zip(*results, ("out", "dq", "dk", "dv")):
+        assert torch.isfinite(d[keep]).all(), what
+        assert torch.equal(c[keep], d[keep]), what
+    assert not torch.isfinite(results[1][0][bad]).all()  # the poisoned sequence itself is affected

@@ -237,6 +237,12 @@ def triton_hstu_mha(q, k, v, seq_offsets, *, func=None, num_targets=None, causal
     q, k: ``(total, H, Dqk)``, v: ``(total, H, Dv)``, any strides (a non-unit last stride costs a copy);
     seq_offsets ``(B + 1,)`` and num_targets ``(B,)``: int32 or int64, any stride. Returns ``(total, H, Dv)``.
 
+    Non-finite values are confined to their sequence: a NaN or Inf in one sequence's q, k, v (or dout)
+    never reaches another sequence's output or gradients (tiles never span two sequences; rows past a
+    sequence's end are read as 0). Within a sequence they are not confined by the mask: a key/value
+    row that the mask hides from a query row still enters that row's products as ``0 * x`` when both
+    share a tile, so a NaN or Inf there may reach rows of the same sequence that do not see it.
+
     ``max_seq_len`` is only a tuning hint (it sizes the split of long key-major ranges): any value,
     0 or smaller than the longest sequence included, gives the same result.
     """
