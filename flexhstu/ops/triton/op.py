@@ -86,11 +86,6 @@ def _attention_args(q, k, v, offs, vis: Visibility, alpha: float, interpreting: 
                 DOT_PRECISION=dot_precision(q.dtype), **vis.kernel_args(offs))
 
 
-def _query_major_args(vis: Visibility) -> dict:
-    """Register-resident intervals (the query-major kernels) for funcs of up to four intervals."""
-    return dict(INTERVALS_IN_REGISTERS=vis.nfunc() <= 7)
-
-
 def forward(q, k, v, offs, vis: Visibility, alpha: float, out_scale: float,
             tables: BlockTables | None = None) -> torch.Tensor:
     q, k, v = _last_dim_contiguous(q, k, v)
@@ -103,7 +98,7 @@ def forward(q, k, v, offs, vis: Visibility, alpha: float, out_scale: float,
     tables = tables if tables is not None else BlockTables(offs, total)
     qtab, nqb = tables.table(tile.block_m)
     hstu_forward_kernel[(nqb, nheads)](
-        **_attention_args(q, k, v, offs, vis, alpha, interpreting), **_query_major_args(vis), **tile.launch(),
+        **_attention_args(q, k, v, offs, vis, alpha, interpreting), **tile.launch(),
         OUT=jagged(out), QTAB=qtab, n_flat=nqb, out_scale=out_scale,
     )
     return out
@@ -122,7 +117,7 @@ def backward(dout, q, k, v, offs, vis: Visibility, alpha: float, out_scale: floa
     tables = tables if tables is not None else BlockTables(offs, total)
     qtab, nqb = tables.table(tq.block_m)
     hstu_backward_dq_kernel[(nqb, nheads)](
-        **args, **_query_major_args(vis), **tq.launch(),
+        **args, **tq.launch(),
         DO=jagged(dout), DQ=jagged(dq), QTAB=qtab, n_flat=nqb, dq_scale=alpha * out_scale,
     )
     # Key-major pass: its query blocks (BLOCK_M) and key blocks (BLOCK_N) index the plan.
