@@ -12,10 +12,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import flexhstu
 from flexhstu import Kernel, masks
-
-
-def offsets(lengths):
-    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda")
+from flexhstu.jagged import offsets_from_lengths
 
 
 def main():
@@ -27,51 +24,56 @@ def main():
         "L sla": ([131072], "sla"),
     }
     for name, (lengths, kw) in cfgs.items():
-        offs = offsets(lengths)
-        total, n = sum(lengths), max(lengths)
-        if kw == "sla":
-            kw = {"attn_func": masks.sla(offs, 256, 32)}
-        elif kw == "targets":
-            kw = {"num_targets": torch.full((len(lengths),), 256, device="cuda")}
-        q, k, v = (torch.randn(total, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-        do = torch.randn_like(q)
+        profile_config(name, lengths, kw)
 
-        def fwd():
-            return flexhstu.hstu_mha(n, None, q, k, v, offs, kernel=Kernel.TRITON, **kw)
 
-        def fb():
-            return torch.autograd.grad(fwd(), (q, k, v), do)
+def profile_config(name, lengths, kw):
+    """Host time per call and per-kernel device time of one configuration."""
+    offs = offsets_from_lengths(lengths, device="cuda")
+    total, n = sum(lengths), max(lengths)
+    if kw == "sla":
+        kw = {"attn_func": masks.sla(offs, 256, 32)}
+    elif kw == "targets":
+        kw = {"num_targets": torch.full((len(lengths),), 256, device="cuda")}
+    q, k, v = (torch.randn(total, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    do = torch.randn_like(q)
 
-        for _ in range(3):
+    def fwd():
+        return flexhstu.hstu_mha(n, None, q, k, v, offs, kernel=Kernel.TRITON, **kw)
+
+    def fb():
+        return torch.autograd.grad(fwd(), (q, k, v), do)
+
+    for _ in range(3):
+        fb()
+    torch.cuda.synchronize()
+    host = {}
+    for label, fn in (("fwd", fwd), ("fwd+bwd", fb)):
+        t0 = time.perf_counter()
+        for _ in range(20):
+            fn()
+        host[label] = (time.perf_counter() - t0) / 20 * 1e6
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
             fb()
         torch.cuda.synchronize()
-        host = {}
-        for label, fn in (("fwd", fwd), ("fwd+bwd", fb)):
-            t0 = time.perf_counter()
-            for _ in range(20):
-                fn()
-            host[label] = (time.perf_counter() - t0) / 20 * 1e6
-            torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                fb()
-            torch.cuda.synchronize()
-        print(f"\n== {name}: host us/call fwd {host['fwd']:.0f}, fwd+bwd {host['fwd+bwd']:.0f}")
-        if name.startswith("A"):
-            import cProfile
-            import pstats
+    print(f"\n== {name}: host us/call fwd {host['fwd']:.0f}, fwd+bwd {host['fwd+bwd']:.0f}")
+    if name.startswith("A"):
+        import cProfile
+        import pstats
 
-            prof_host = cProfile.Profile()
-            prof_host.enable()
-            for _ in range(20):
-                fb()
-            prof_host.disable()
-            torch.cuda.synchronize()
-            pstats.Stats(prof_host).sort_stats("tottime").print_stats(14)
-        rows = [(e.key, e.device_time_total / 5, e.count / 5) for e in prof.key_averages()]
-        for key, us, cnt in sorted(rows, key=lambda r: -r[1])[:8]:
-            print(f"   {us:9.1f} us  x{cnt:.0f}  {key[:70]}")
-
+        prof_host = cProfile.Profile()
+        prof_host.enable()
+        for _ in range(20):
+            fb()
+        prof_host.disable()
+        torch.cuda.synchronize()
+        pstats.Stats(prof_host).sort_stats("tottime").print_stats(14)
+    rows = [(e.key, e.device_time_total / 5, e.count / 5) for e in prof.key_averages()]
+    for key, us, cnt in sorted(rows, key=lambda r: -r[1])[:8]:
+        print(f"   {us:9.1f} us  x{cnt:.0f}  {key[:70]}")
 
 if __name__ == "__main__":
     main()

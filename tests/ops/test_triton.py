@@ -135,20 +135,27 @@ def test_all_empty_batch_returns_empty():
     assert out.shape == (0, 2, 32)
 
 
-def test_compiles_with_no_graph_break():
-    lengths = [20, 9]
+@pytest.mark.parametrize("name", ["causal", "fixed", "sla"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_eager_and_compiled_paths_match_the_reference_with_gradients(name, compiled):
+    # The compiled path runs the custom ops (forward, backward) instead of the eager autograd.Function.
+    lengths = [37, 0, 21]
     offs = offsets_from(lengths).to(DEVICE)
-    func = masks.sla(offs, 6, 2)
-    q, k, v = batch(lengths, heads=1, dqk=16, dv=16)
+    kw = to_device(mask_case(name, offs.cpu(), lengths, 1))
+    q, k, v = batch(lengths, heads=1, dqk=16, dv=16, seed=7)
+    dout = torch.randn(sum(lengths), 1, 16, generator=torch.Generator().manual_seed(8)).to(DEVICE)
 
-    def step(q, k, v):
-        return flexhstu.hstu_mha(20, None, q, k, v, offs, attn_func=func, kernel=Kernel.TRITON).square().sum()
+    def attention(q, k, v, kernel):
+        return flexhstu.hstu_mha(37, None, q, k, v, offs, kernel=kernel, **kw)
 
-    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
-    loss = compiled(q, k, v)
-    loss.backward()
-    ref = flexhstu.hstu_mha(20, None, q, k, v, offs, attn_func=func, kernel=Kernel.PYTORCH).square().sum()
-    torch.testing.assert_close(loss, ref, rtol=1e-4, atol=1e-5)
+    run = torch.compile(attention, fullgraph=True, backend="aot_eager") if compiled else attention
+    out = run(q, k, v, Kernel.TRITON)
+    ref = attention(q, k, v, Kernel.PYTORCH)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    want = torch.autograd.grad(ref, (q, k, v), dout)
+    for g, w, what in zip(got, want, ("dq", "dk", "dv")):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, msg=lambda m, what=what: f"{what}: {m}")
 
 
 def test_poisoned_outputs_start_as_nan_and_the_kernels_overwrite_them():
@@ -312,3 +319,30 @@ def test_fp32_dot_precision_follows_allow_tf32(allow_tf32):
         torch.backends.cuda.matmul.allow_tf32 = saved
     assert fp32 == ("tf32" if allow_tf32 else "ieee")
     assert fp16 == "tf32"
+
+
+@pytest.mark.parametrize("name", ["causal", "fixed", "sla"])
+def test_nan_and_inf_in_one_sequence_never_reach_another(name):
+    lengths = [37, 21, 30]
+    offs = offsets_from(lengths).to(DEVICE)
+    kw = to_device(mask_case(name, offs.cpu(), lengths, 1))
+    clean = batch(lengths, heads=1, dqk=16, dv=16, seed=9)
+    dout = torch.randn(sum(lengths), 1, 16, generator=torch.Generator().manual_seed(10)).to(DEVICE)
+    bad = slice(37, 58)  # sequence 1
+    dirty = [x.detach().clone() for x in clean]
+    for x, value in zip(dirty, (float("nan"), float("inf"), float("nan"))):
+        x[bad][::2] = value
+        x[bad][1::3] = -float("inf")
+    dirty = [x.requires_grad_(True) for x in dirty]
+    dout_dirty = dout.clone()
+    dout_dirty[bad][::4] = float("nan")
+    results = []
+    for (q, k, v), do in ((clean, dout), (dirty, dout_dirty)):
+        out = flexhstu.hstu_mha(37, None, q, k, v, offs, kernel=Kernel.TRITON, **kw)
+        results.append((out, *torch.autograd.grad(out, (q, k, v), do)))
+    keep = torch.ones(sum(lengths), dtype=torch.bool)
+    keep[bad] = False
+    for c, d, what in zip(*results, ("out", "dq", "dk", "dv")):
+        assert torch.isfinite(d[keep]).all(), what
+        assert torch.equal(c[keep], d[keep]), what
+    assert not torch.isfinite(results[1][0][bad]).all()  # the poisoned sequence itself is affected

@@ -50,7 +50,7 @@ def hstu_backward_dq_kernel(
     Q, K, V, DO, DQ, func, rule, OFFS, QTAB, n_flat,
     alpha, dq_scale,  # dq_scale = alpha / scaling
     NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_TARGETS: tl.constexpr, INTERVALS_POW2: tl.constexpr,
-    INTERVALS_IN_REGISTERS: tl.constexpr, FAST_SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FAST_SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr, DIM_V: tl.constexpr,
     TILE_QK: tl.constexpr, TILE_V: tl.constexpr,
 ):
@@ -58,11 +58,9 @@ def hstu_backward_dq_kernel(
     grid ``(n_flat, H)``."""
     query_major_program(
         Q=Q, DO=DO, K=K, V=V, OUT=DQ, func=func, rule=rule, OFFS=OFFS, QTAB=QTAB, n_flat=n_flat, alpha=alpha,
-        out_scale=dq_scale, BLOCK_FN=dq_block, WITH_DO=True, OUT_DIM=DIM_QK, OUT_TILE=TILE_QK, NFUNC=NFUNC,
-        MODE=MODE, HAS_TARGETS=HAS_TARGETS, INTERVALS_POW2=INTERVALS_POW2,
-        INTERVALS_IN_REGISTERS=INTERVALS_IN_REGISTERS, FAST_SIGMOID=FAST_SIGMOID, DOT_PRECISION=DOT_PRECISION,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK, TILE_V=TILE_V)
+        out_scale=dq_scale, BLOCK_FN=dq_block, WITH_DO=True, NFUNC=NFUNC, MODE=MODE, HAS_TARGETS=HAS_TARGETS,
+        INTERVALS_POW2=INTERVALS_POW2, FAST_SIGMOID=FAST_SIGMOID, DOT_PRECISION=DOT_PRECISION, BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK, TILE_V=TILE_V)
 
 
 @triton.jit

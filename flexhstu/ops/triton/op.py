@@ -86,11 +86,6 @@ def _attention_args(q, k, v, offs, vis: Visibility, alpha: float, interpreting: 
                 DOT_PRECISION=dot_precision(q.dtype), **vis.kernel_args(offs))
 
 
-def _query_major_args(vis: Visibility) -> dict:
-    """Register-resident intervals (the query-major kernels) for funcs of up to four intervals."""
-    return dict(INTERVALS_IN_REGISTERS=vis.nfunc() <= 7)
-
-
 def forward(q, k, v, offs, vis: Visibility, alpha: float, out_scale: float,
             tables: BlockTables | None = None) -> torch.Tensor:
     q, k, v = _last_dim_contiguous(q, k, v)
@@ -103,7 +98,7 @@ def forward(q, k, v, offs, vis: Visibility, alpha: float, out_scale: float,
     tables = tables if tables is not None else BlockTables(offs, total)
     qtab, nqb = tables.table(tile.block_m)
     hstu_forward_kernel[(nqb, nheads)](
-        **_attention_args(q, k, v, offs, vis, alpha, interpreting), **_query_major_args(vis), **tile.launch(),
+        **_attention_args(q, k, v, offs, vis, alpha, interpreting), **tile.launch(),
         OUT=jagged(out), QTAB=qtab, n_flat=nqb, out_scale=out_scale,
     )
     return out
@@ -122,7 +117,7 @@ def backward(dout, q, k, v, offs, vis: Visibility, alpha: float, out_scale: floa
     tables = tables if tables is not None else BlockTables(offs, total)
     qtab, nqb = tables.table(tq.block_m)
     hstu_backward_dq_kernel[(nqb, nheads)](
-        **args, **_query_major_args(vis), **tq.launch(),
+        **args, **tq.launch(),
         DO=jagged(dout), DQ=jagged(dq), QTAB=qtab, n_flat=nqb, dq_scale=alpha * out_scale,
     )
     # Key-major pass: its query blocks (BLOCK_M) and key blocks (BLOCK_N) index the plan.
@@ -236,6 +231,12 @@ def triton_hstu_mha(q, k, v, seq_offsets, *, func=None, num_targets=None, causal
 
     q, k: ``(total, H, Dqk)``, v: ``(total, H, Dv)``, any strides (a non-unit last stride costs a copy);
     seq_offsets ``(B + 1,)`` and num_targets ``(B,)``: int32 or int64, any stride. Returns ``(total, H, Dv)``.
+
+    Non-finite values are confined to their sequence: a NaN or Inf in one sequence's q, k, v (or dout)
+    never reaches another sequence's output or gradients (tiles never span two sequences; rows past a
+    sequence's end are read as 0). Within a sequence they are not confined by the mask: a key/value
+    row that the mask hides from a query row still enters that row's products as ``0 * x`` when both
+    share a tile, so a NaN or Inf there may reach rows of the same sequence that do not see it.
 
     ``max_seq_len`` is only a tuning hint (it sizes the split of long key-major ranges): any value,
     0 or smaller than the longest sequence included, gives the same result.

@@ -89,15 +89,19 @@ def query_major_walk(acc, q, do, K, V, func, rule, h, seq, seq_start, L, m0, row
 
 @triton.jit
 def query_major_program(Q, DO, K, V, OUT, func, rule, OFFS, QTAB, n_flat, alpha, out_scale,
-                        BLOCK_FN: tl.constexpr, WITH_DO: tl.constexpr, OUT_DIM: tl.constexpr, OUT_TILE: tl.constexpr,
+                        BLOCK_FN: tl.constexpr, WITH_DO: tl.constexpr,
                         NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_TARGETS: tl.constexpr,
-                        INTERVALS_POW2: tl.constexpr, INTERVALS_IN_REGISTERS: tl.constexpr,
+                        INTERVALS_POW2: tl.constexpr,
                         FAST_SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr,
                         DIM_QK: tl.constexpr, DIM_V: tl.constexpr, TILE_QK: tl.constexpr, TILE_V: tl.constexpr):
     """One query-major program: locate its query block (last flat blocks first: under causal-like masks
     they carry the most key blocks), load ``q`` (and ``do`` when WITH_DO), walk, store
-    ``out_scale * acc`` into ``OUT (total, H, OUT_DIM)``."""
+    ``out_scale * acc`` into ``OUT``: ``(total, H, DIM_QK)`` (dQ) when WITH_DO, else ``(total, H, DIM_V)``."""
+    OUT_DIM: tl.constexpr = DIM_QK if WITH_DO else DIM_V
+    # Register-resident intervals for funcs of up to four intervals (load_row_intervals holds four).
+    INTERVALS_IN_REGISTERS: tl.constexpr = NFUNC <= 7
+    OUT_TILE: tl.constexpr = TILE_QK if WITH_DO else TILE_V
     h = tl.program_id(1)
     seq, qb, seq_start, L = locate_block(QTAB, OFFS, n_flat - 1 - tl.program_id(0), BLOCK_M)
     m0 = qb * BLOCK_M

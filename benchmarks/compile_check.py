@@ -1,0 +1,111 @@
+"""Compile every Triton kernel variant for sm_90 on a machine without a GPU; print registers and spills.
+
+    PYTHONPATH=$PWD python benchmarks/compile_check.py           # bf16 D 64/128/256/96 and 24/48, every MODE; fp32
+    PYTHONPATH=$PWD python benchmarks/compile_check.py --quick   # D 128 and 96 only
+
+The real entry point (``triton_hstu_mha``, forward and backward) runs on CPU tensors
+while ``JITFunction.run`` is replaced by a function that binds the launch arguments
+exactly as Triton's launcher does (same specialisation of ints and pointers, same
+constexprs, tuples included), compiles the kernel for sm_90 with the ptxas of the
+triton wheel and records what ``cuobjdump`` reports, instead of launching. So a
+kernel that the interpreter accepts but the GPU compiler rejects fails here, and a
+change that moves registers or spills shows up without device time. Exit status 1
+when a variant does not compile.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import JITFunction, create_function_from_signature
+
+from flexhstu import masks
+from flexhstu.jagged import offsets_from_lengths
+from flexhstu.ops.triton import triton_hstu_mha
+
+TARGET = GPUTarget("cuda", 90, 32)
+BACKEND = make_backend(TARGET)
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+SHOWN = ("MODE", "NFUNC", "DIM_QK", "DIM_V", "BLOCK_M", "BLOCK_N", "DOT_PRECISION")
+seen: set[str] = set()
+failures: list[str] = []
+
+
+def _resources(cubin: bytes) -> tuple[int, int]:
+    """(registers, stack bytes) of the kernel in ``cubin``; ptxas spills to the stack."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    return int(re.search(r"REG:(\d+)", text).group(1)), int(re.search(r"STACK:(\d+)", text).group(1))
+
+
+def compile_instead_of_launch(self, *args, grid, warmup, **kwargs):
+    kwargs["debug"] = False
+    binder = create_function_from_signature(self.signature, self.params, BACKEND)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = self._pack_args(BACKEND, kwargs, bound, specialization, options)
+    names = {path[0]: value for path, value in constexprs.items() if len(path) == 1}
+    shown = " ".join(f"{self.arg_names[i]}={v}" for i, v in sorted(names.items()) if self.arg_names[i] in SHOWN)
+    key = f"{self.fn.__name__} {shown} {signature} warps={options.num_warps} stages={options.num_stages}"
+    if key in seen:
+        return None
+    seen.add(key)
+    label = f"{self.fn.__name__:26} {shown} warps={options.num_warps} stages={options.num_stages}"
+    try:
+        kernel = triton.compile(ASTSource(self, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
+    except Exception as e:  # reported per variant; the script exits 1 at the end
+        failures.append(label)
+        print(f"FAIL {label}: {type(e).__name__}: {str(e).splitlines()[-1][:200]}", flush=True)
+        return None
+    regs, stack = _resources(kernel.asm["cubin"])
+    print(f"ok   {label:110} regs={regs:3} spill_stack={stack}B", flush=True)
+    return None
+
+
+def run(dtype, dqk, dv, case):
+    lengths = [300, 77, 0, 129]
+    offs = offsets_from_lengths(lengths)
+    total = sum(lengths)
+    q, k = (torch.randn(total, 2, dqk, dtype=dtype, requires_grad=True) for _ in range(2))
+    v = torch.randn(total, 2, dv, dtype=dtype, requires_grad=True)
+    kw = dict(alpha=0.1, out_scale=1 / 300, max_seq_len=300)
+    if case == "causal":
+        kw["causal_closed_form"] = True
+    elif case == "fixed":
+        kw.update(num_targets=torch.tensor([5, 5, 0, 5]), contextual=3, window=10)
+    elif case == "func3":
+        kw["func"] = masks.sla(offs, 20, 4)
+    elif case == "func9":  # five intervals: the path without register-resident intervals
+        kw["func"] = torch.zeros(2, 9, total, dtype=torch.int32)
+    out = triton_hstu_mha(q, k, v, offs, **kw)
+    torch.autograd.grad(out, (q, k, v), torch.randn(total, 2, dv, dtype=dtype))
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("unset TRITON_INTERPRET: this compiles for the GPU")
+        return 2
+    JITFunction.run = compile_instead_of_launch
+    dims = [(128, 128), (96, 96)] if "--quick" in sys.argv else [(64, 64), (128, 128), (256, 256), (96, 96), (24, 48)]
+    for dqk, dv in dims:
+        for case in ("causal", "fixed", "func3", "func9"):
+            print(f"## bf16 Dqk{dqk} Dv{dv} {case}", flush=True)
+            run(torch.bfloat16, dqk, dv, case)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    print("## fp32 IEEE dots, D 64, func3", flush=True)
+    run(torch.float32, 64, 64, "func3")
+    print(f"\n{len(seen)} variants, {len(failures)} failed" + "".join(f"\n  {f}" for f in failures))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
