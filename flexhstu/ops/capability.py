@@ -8,6 +8,7 @@ without triton.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -15,6 +16,12 @@ import torch
 
 from ..masks.rules import FixedRule
 from .triton.limits import MAX_HEAD_DIM, MIN_HEAD_DIM, head_dim_supported
+
+@functools.cache
+def _triton_installed() -> bool:
+    """Whether triton can be imported; asked once per process (a package lookup costs ~25 us per call)."""
+    return importlib.util.find_spec("triton") is not None
+
 
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -29,7 +36,7 @@ def triton_unsupported_reason(
     rule's parameters; ``dropout_pr`` is the rate applied (0.0 outside training);
     ``attn_scale`` the output scale, ``()`` or ``(total,)``, or None.
     """
-    if importlib.util.find_spec("triton") is None:
+    if not _triton_installed():
         return "kernel: expected a backend that is installed (Kernel.TRITON needs triton: pip install 'flexhstu[gpu]')"
     if not q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
         return f"q.device: expected CUDA for Kernel.TRITON (or the CPU under TRITON_INTERPRET=1), got {q.device}"
