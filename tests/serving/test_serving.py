@@ -133,3 +133,19 @@ def test_cache_errors_name_the_user_and_the_bound():
     model.train()
     with pytest.raises(RuntimeError, match=r"OneRankModel: expected eval mode"):
         model.score_cached(cache, ["a"], cands[:3], offsets_from([3]))
+
+
+def test_exported_micro_batch_scorer_gives_the_eager_and_full_recompute_scores():
+    torch.manual_seed(0)
+    model = OneRankModel(50, dim=16, layers=2, heads=2, max_len=40, kernel="pytorch").eval()
+    hist, times, hoffs, cands, coffs = ranking_request()
+    cache = HistoryCache(2, 32)
+    model.cache_histories(cache, ["a", "b", "c", "d"], hist, times, hoffs)
+    history = cache.gather(["a", "b", "c", "d"])
+    args = (tuple(history.k), tuple(history.v), history.offsets, cands, torch.tensor(CANDS))
+    scorer = serving.MicroBatchScorer(model, cache.max_seq_len)
+    program = torch.export.export(scorer, args)
+    with torch.no_grad():
+        full = model(hist, times, hoffs, cands, coffs, max_seq_len=32)
+    torch.testing.assert_close(program.module()(*args), scorer(*args), rtol=0, atol=0)
+    torch.testing.assert_close(program.module()(*args), full, rtol=1e-5, atol=1e-5)
