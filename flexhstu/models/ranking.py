@@ -7,15 +7,17 @@ targets mask (targets see the history and themselves), read out by the same per-
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
 
-from .. import masks
+from .. import masks, serving
 from ..nn import InputEncoder, OneRankHead, OneRankTokenizer, STUStack
 from ..ops import Kernel
+from ..serving import HistoryCache, JaggedHistory
 from .retrieval import stu_config
 
 TASKS = ("watched", "rated>=4", "rated5")
@@ -128,17 +130,74 @@ class OneRankModel(nn.Module):
         return self.tokenizer.group_size
 
     def forward(self, hist_items: torch.Tensor, hist_times: torch.Tensor, hist_offsets: torch.Tensor,
-                cand_items: torch.Tensor, cand_offsets: torch.Tensor) -> torch.Tensor:
+                cand_items: torch.Tensor, cand_offsets: torch.Tensor, max_seq_len: int | None = None) -> torch.Tensor:
         """Scores ``(C, len(TASKS))`` of candidates ``cand_items (C,)`` (jagged by ``cand_offsets (B + 1,)``)
-        after histories ``hist_items, hist_times (T_h,)`` (jagged by ``hist_offsets (B + 1,)``)."""
+        after histories ``hist_items, hist_times (T_h,)`` (jagged by ``hist_offsets (B + 1,)``).
+
+        ``max_seq_len`` (the attention's length bound and scale) defaults to the batch's longest sequence;
+        a cache fixes it (``HistoryCache.max_seq_len``), and this forward with the same value is the full
+        recompute that ``score_cached`` equals."""
         hist = self.encoder(hist_items, hist_times, hist_offsets)
         cand = self.encoder.items(cand_items)
         b = self.tokenizer(self.dropout(hist), hist_offsets, cand, cand_offsets)
+        n = b.max_seq_len if max_seq_len is None else max_seq_len
         if self.task_tokens:
             func = masks.onerank(b.seq_offsets, b.num_targets, self.tokenizer.group_size, total=b.x.shape[0])
-            out = self.stack(b.x, b.seq_offsets, b.max_seq_len, attn_func=func)
+            out = self.stack(b.x, b.seq_offsets, n, attn_func=func)
             z = out[b.task_rows]
         else:
-            out = self.stack(b.x, b.seq_offsets, b.max_seq_len, num_targets=b.num_targets)
+            out = self.stack(b.x, b.seq_offsets, n, num_targets=b.num_targets)
             z = out[b.candidate_rows][:, None, :].expand(-1, len(TASKS), -1)
         return self.head(z)
+
+    @torch.no_grad()
+    def cache_histories(self, cache: HistoryCache, users: Sequence[Hashable], hist_items: torch.Tensor,
+                        hist_times: torch.Tensor, hist_offsets: torch.Tensor) -> None:
+        """Compute and store the users' history K/V (``hist_* (T_h,)`` jagged by ``hist_offsets (B + 1,)``).
+
+        Positions are counted back from a history's end, so a grown history changes every row's input:
+        cache it again (``serving.extend`` is exact only for inputs that do not change)."""
+        _check_eval(self)
+        x = self.encoder(hist_items, hist_times, hist_offsets)
+        serving.prefill(self.stack, cache, users, x, hist_offsets)
+
+    @torch.no_grad()
+    def score_cached(self, cache: HistoryCache, users: Sequence[Hashable], cand_items: torch.Tensor,
+                     cand_offsets: torch.Tensor, micro_batch: int | None = None) -> torch.Tensor:
+        """Scores ``(C, len(TASKS))`` of candidates ``cand_items (C,)`` (jagged by ``cand_offsets (B + 1,)``, one
+        sequence per user) against the users' cached histories, ``micro_batch`` candidates per user at a time
+        (None: all). Each micro-batch is one delta call per layer; groups never see each other, so the scores
+        equal ``forward(..., max_seq_len=cache.max_seq_len)`` whatever the micro-batch size."""
+        _check_eval(self)
+        history = cache.gather(users)
+        scores = self.head.bias.new_zeros(cand_items.shape[0], len(TASKS))
+        for mb in serving.micro_batches(cand_offsets, micro_batch):
+            scores = scores.index_copy(0, mb.index, self.score_micro_batch(history, cand_items[mb.index],
+                                                                           mb.counts, cache.max_seq_len))
+        return scores
+
+    def score_micro_batch(self, history: JaggedHistory, cand_items: torch.Tensor, counts: list[int] | torch.Tensor,
+                          max_seq_len: int) -> torch.Tensor:
+        """Scores ``(c, len(TASKS))`` of ``cand_items (c,)``, ``counts[b]`` of them for user ``b`` of ``history``.
+        Sync-free when ``counts`` is a device tensor (the exported program takes it so)."""
+        g = self.group_size
+        counts = torch.as_tensor(counts, dtype=torch.int64, device=cand_items.device)
+        cand = self.encoder.items(cand_items)
+        groups = torch.cat([cand[:, None], self.tokenizer.tasks.expand(cand.shape[0], g - 1, -1)], dim=1)
+        new_offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)]) * g
+        nt = counts * g
+        if self.task_tokens:
+            mask = lambda offs, total: {"attn_func": masks.onerank(offs, nt, g, total=total)}
+        else:
+            mask = lambda offs, total: {"num_targets": nt}
+        out, _, _ = serving.stack_delta(self.stack, groups.reshape(-1, cand.shape[1]), history, new_offsets,
+                                        max_seq_len=max_seq_len, mask=mask)
+        out = out.reshape(-1, g, cand.shape[1])
+        z = out[:, 1:] if self.task_tokens else out[:, :1].expand(-1, len(TASKS), -1)
+        return self.head(z)
+
+
+def _check_eval(model: nn.Module) -> None:
+    if model.training:
+        raise RuntimeError(f"{type(model).__name__}: expected eval mode for cached scoring (call .eval(): the "
+                           "cache path has no dropout), got training mode")

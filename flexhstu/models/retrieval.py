@@ -3,6 +3,7 @@ baseline of the same size, and popularity. Sampled-softmax training on cosine si
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -10,10 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import masks
+from .. import masks, serving
 from .._errors import bad_value
 from ..nn import InputEncoder, STULayerConfig, STUStack
 from ..ops import Kernel
+from ..serving import HistoryCache
 
 
 def check_heads(dim: int, heads: int) -> None:
@@ -114,6 +116,36 @@ class HSTURetrieval(_Retrieval):
         if self.mask == "sla":
             kw["attn_func"] = masks.sla(batch.offsets, self.sla_k1, self.sla_k2, total=x.shape[0])
         return self.stack(x, batch.offsets, batch.max_len, **kw)
+
+    def _history_mask(self, offsets: torch.Tensor, total: int) -> dict:
+        if self.mask == "sla":
+            return {"attn_func": masks.sla(offsets, self.sla_k1, self.sla_k2, total=total)}
+        return {}
+
+    @torch.no_grad()
+    def cache_histories(self, cache: HistoryCache, users: Sequence[Hashable], batch: SeqBatch) -> None:
+        """Store the users' history K/V and last states (``batch``: one history per user, no targets needed).
+        Positions count back from a history's end, so a grown history is cached again."""
+        if self.training:
+            raise RuntimeError("HSTURetrieval: expected eval mode for cached scoring (call .eval()), got training mode")
+        x = self.encoder(batch.items, batch.times, batch.offsets)
+        serving.prefill(self.stack, cache, users, x, batch.offsets, mask=self._history_mask)
+
+    @torch.no_grad()
+    def score_cached(self, cache: HistoryCache, users: Sequence[Hashable], cand_items: torch.Tensor,
+                     cand_offsets: torch.Tensor) -> torch.Tensor:
+        """Next-item scores ``(C,)`` of candidates ``cand_items (C,)`` (jagged by ``cand_offsets (B + 1,)``):
+        cosine of each user's cached last state with the item, as ``scores`` computes it for every item.
+        The candidates are read out, not attended, so no attention runs at request time."""
+        last = cache.last(users)
+        empty = [u for u, h in zip(users, last) if h is None]
+        if empty:
+            raise bad_value("users", "users with a non-empty cached history (the state is the last row's)",
+                            f"{empty[0]!r} with none")
+        h = F.normalize(torch.stack(last), dim=-1)
+        n = cand_offsets.to(torch.int64).diff()
+        rows = torch.repeat_interleave(torch.arange(len(users), device=h.device), n, output_size=cand_items.shape[0])
+        return (h[rows] * self.item_table()[cand_items]).sum(-1)
 
 
 class SASRecRetrieval(_Retrieval):

@@ -1,0 +1,200 @@
+"""``delta_hstu_mha``: attention for new query rows against whole (cached) sequences. Forward only.
+
+Checks follow ``hstu_mha``: nothing reads device memory of CUDA tensors; value
+checks run on CPU tensors outside torch.compile, and under torch.compile they
+become device-side assertions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._errors import as_finite, as_int, bad_type, bad_value
+from ..jagged import (
+    can_read_values,
+    check_lengths_at_most,
+    check_num_targets_values,
+    check_offsets_meta,
+    check_offsets_values,
+    lengths_of,
+)
+from ..masks.rules import FixedRule
+from .hstu_mha import _check_func_alone, _check_same_device, _checked_rule
+from .kernel import Kernel
+from .pytorch.delta import pytorch_delta_hstu_mha
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def last_rows_offsets(seq_offsets: torch.Tensor, delta_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q_offsets, q_start)`` for queries that are the last ``delta_size`` rows of every sequence.
+
+    This is the generative-recommenders ``delta_hstu_mha`` convention (``delta_size =
+    delta_q.shape[0] // B``): ``q_offsets = [0, d, 2d, ...]`` ``(B + 1,)`` and
+    ``q_start = L_b - d`` ``(B,)``, int64 on the offsets' device. Sync-free.
+    """
+    check_offsets_meta(seq_offsets)
+    delta_size = as_int("delta_size", delta_size)
+    batch = seq_offsets.numel() - 1
+    q_offsets = torch.arange(batch + 1, device=seq_offsets.device, dtype=torch.int64) * delta_size
+    return q_offsets, lengths_of(seq_offsets) - delta_size
+
+
+def delta_hstu_mha(
+    max_seq_len: int,
+    alpha: float | None,
+    delta_q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_offsets: torch.Tensor,
+    num_targets: torch.Tensor | None = None,
+    max_attn_len: int = 0,
+    contextual_seq_len: int = 0,
+    kernel: Kernel = Kernel.AUTO,
+    *,
+    q_offsets: torch.Tensor | None = None,
+    q_start: torch.Tensor | None = None,
+    min_full_attn_seq_len: int = 0,
+    attn_func: torch.Tensor | None = None,
+    scaling_seqlen: int = -1,
+) -> torch.Tensor:
+    """HSTU attention for a subset of each sequence's rows (docs/design.md, section 9). Forward only.
+
+    Every output row equals the same row of ``hstu_mha`` run on the whole
+    sequences with the same mask and scale.
+
+    - ``delta_q``: ``(total_q, H, Dqk)``, the query rows; ``k (total_kv, H, Dqk)``,
+      ``v (total_kv, H, Dv)``: the whole sequences, jagged by ``seq_offsets (B + 1,)``.
+      Returns ``(total_q, H, Dv)`` in the dtype of ``delta_q``.
+    - ``q_offsets (B + 1,)`` jags ``delta_q``; ``q_start (B,)`` (integer) is the
+      local position of each sequence's first query row: query ``r`` of sequence
+      ``b`` is row ``q_start[b] + r`` of it, with ``0 <= q_start[b]`` and
+      ``q_start[b] + (q_offsets[b + 1] - q_offsets[b]) <= L_b``. Give both or
+      neither: neither means the generative-recommenders convention, the last
+      ``delta_q.shape[0] // B`` rows of every sequence (:func:`last_rows_offsets`).
+    - ``attn_func``: int32 ``(Hf, NFUNC, total_q)``, one column per query row, key
+      columns sequence-local; alone decides visibility. Otherwise the causal fixed
+      rule applies with ``num_targets``, ``max_attn_len``, ``contextual_seq_len``,
+      ``min_full_attn_seq_len`` (exactly as in ``hstu_mha``).
+    - ``max_seq_len``, ``alpha``, ``scaling_seqlen``: as in ``hstu_mha`` (the scale
+      defaults to ``max_seq_len``, an upper bound on the whole sequences' lengths).
+    - ``kernel``: ``Kernel.AUTO`` runs Triton on CUDA tensors it supports and the
+      PyTorch reference otherwise.
+
+    On CPU tensors (outside torch.compile) bad offsets, ``q_start`` or
+    ``num_targets`` raise; on CUDA they are not read (no sync), and a query row
+    whose position falls outside its sequence gets a zero output.
+
+    Raises RuntimeError when a gradient could be asked for (grad mode on and an
+    input requiring grad): the op has no backward.
+    """
+    _check_tensors(delta_q, k, v)
+    _check_forward_only(delta_q, k, v)
+    check_offsets_meta(seq_offsets)
+    batch = seq_offsets.numel() - 1
+    if (q_offsets is None) != (q_start is None):
+        given, missing = ("q_offsets", "q_start") if q_start is None else ("q_start", "q_offsets")
+        raise bad_value(missing, f"a tensor next to {given} (give both, or neither for the last rows)", None)
+    if q_offsets is None:
+        if batch == 0 or delta_q.shape[0] % batch:
+            raise bad_value("delta_q.shape[0]", f"a multiple of the batch size {batch} (last rows of each sequence)",
+                            delta_q.shape[0])
+        q_offsets, q_start = last_rows_offsets(seq_offsets, delta_q.shape[0] // max(batch, 1))
+    _check_query_layout(q_offsets, q_start, batch)
+    _check_same_device(delta_q, k=k, v=v, seq_offsets=seq_offsets, q_offsets=q_offsets, q_start=q_start,
+                       num_targets=num_targets, attn_func=attn_func)
+    max_seq_len = as_int("max_seq_len", max_seq_len)
+    rule = _checked_rule(FixedRule(True, num_targets, max_attn_len, contextual_seq_len, min_full_attn_seq_len), batch)
+    if attn_func is not None:
+        _check_func_alone(attn_func, rule, delta_q)
+    if can_read_values(seq_offsets):
+        _check_values_on_host(seq_offsets, q_offsets, q_start, k.shape[0], delta_q.shape[0], max_seq_len, num_targets)
+    elif torch.compiler.is_compiling():
+        _assert_values_on_device(seq_offsets, q_offsets, q_start, k.shape[0], delta_q.shape[0])
+    alpha = delta_q.shape[2] ** -0.5 if alpha is None else as_finite("alpha", alpha)
+    scaling = as_finite("scaling_seqlen", scaling_seqlen)
+    if scaling <= 0:
+        scaling = float(max_seq_len) or 1.0
+    mask = attn_func if attn_func is not None else rule
+    _choose_backend(kernel, delta_q, v, mask)
+    return pytorch_delta_hstu_mha(delta_q, k, v, seq_offsets, q_offsets, q_start, mask, alpha=alpha,
+                                  scaling_seqlen=scaling, max_seq_len=max_seq_len)
+
+
+def _check_tensors(delta_q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    for name, x in (("delta_q", delta_q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise bad_type(name, "a torch.Tensor", type(x).__name__)
+        if x.dim() != 3:
+            raise bad_value(name, "a 3-D jagged tensor (total, H, D)", f"shape {tuple(x.shape)}")
+        if x.dtype not in _FLOAT_DTYPES:
+            raise bad_type(name, "float16, bfloat16, float32 or float64", x.dtype)
+    if v.shape[0] != k.shape[0]:
+        raise bad_value("v.shape[0]", f"the rows of k ({k.shape[0]})", v.shape[0])
+    for name, x in (("k", k), ("v", v)):
+        if x.shape[1] != delta_q.shape[1]:
+            raise bad_value(f"{name}.shape[1] (heads)", f"the heads of delta_q ({delta_q.shape[1]})", x.shape[1])
+        if x.dtype != delta_q.dtype:
+            raise bad_type(f"{name}.dtype", f"the dtype of delta_q ({delta_q.dtype})", x.dtype)
+    if k.shape[2] != delta_q.shape[2]:
+        raise bad_value("k.shape[2] (Dqk)", f"the head dim of delta_q ({delta_q.shape[2]})", k.shape[2])
+
+
+def _check_forward_only(*xs: torch.Tensor) -> None:
+    if torch.is_grad_enabled() and any(x.requires_grad for x in xs):
+        names = [n for n, x in zip(("delta_q", "k", "v"), xs) if x.requires_grad]
+        raise RuntimeError(
+            "delta_hstu_mha is forward-only (inference); run it under torch.no_grad() or torch.inference_mode(), "
+            f"or detach the inputs (requires_grad: {', '.join(names)}); hstu_mha has the backward"
+        )
+
+
+def _check_query_layout(q_offsets: torch.Tensor, q_start: torch.Tensor, batch: int) -> None:
+    check_offsets_meta(q_offsets, "q_offsets")
+    if q_offsets.numel() != batch + 1:
+        raise bad_value("q_offsets", f"B + 1 = {batch + 1} offsets (one sequence per seq_offsets entry)",
+                        f"shape {tuple(q_offsets.shape)}")
+    if not isinstance(q_start, torch.Tensor):
+        raise bad_type("q_start", f"a ({batch},) integer tensor", type(q_start).__name__)
+    if q_start.dtype.is_floating_point or q_start.dtype.is_complex or q_start.dtype == torch.bool:
+        raise bad_type("q_start", "an integer tensor (local positions)", q_start.dtype)
+    if q_start.dim() != 1 or q_start.numel() != batch:
+        raise bad_value("q_start", f"a ({batch},) tensor", f"shape {tuple(q_start.shape)}")
+
+
+def _check_values_on_host(seq_offsets, q_offsets, q_start, total_kv: int, total_q: int, max_seq_len: int,
+                          num_targets) -> None:
+    check_offsets_values(seq_offsets, total=total_kv)
+    check_offsets_values(q_offsets, "q_offsets", total=total_q)
+    check_lengths_at_most(seq_offsets, max_seq_len)
+    length, nq = lengths_of(seq_offsets).cpu(), lengths_of(q_offsets).cpu()
+    start = q_start.detach().to("cpu", torch.int64)
+    bad = (start < 0) | (start + nq > length)
+    if bool(bad.any()):
+        b = int(torch.nonzero(bad)[0, 0])
+        expected = f"0 <= q_start <= L - (query rows) = {int(length[b])} - {int(nq[b])} in sequence {b}"
+        raise bad_value(f"q_start[{b}]", expected, int(start[b]))
+    if num_targets is not None:
+        check_num_targets_values(num_targets, seq_offsets)
+
+
+def _assert_values_on_device(seq_offsets, q_offsets, q_start, total_kv: int, total_q: int) -> None:
+    """The host checks as device-side assertions: no sync and no graph break under torch.compile."""
+    for name, offs, total in (("seq_offsets", seq_offsets, total_kv), ("q_offsets", q_offsets, total_q)):
+        offs = offs.to(torch.int64)
+        torch._assert_async(offs[0] == 0, f"{name}[0]: expected 0 (asserted under torch.compile)")
+        torch._assert_async((lengths_of(offs) >= 0).all(), f"{name}: expected non-decreasing offsets (under compile)")
+        torch._assert_async(offs[-1] == total, f"{name}[-1]: expected the rows of the data (under compile)")
+    start = q_start.to(torch.int64)
+    fits = (start >= 0) & (start + lengths_of(q_offsets) <= lengths_of(seq_offsets))
+    torch._assert_async(fits.all(), "q_start: expected 0 <= q_start <= L - (query rows) (under compile)")
+
+
+def _choose_backend(kernel: Kernel | str, delta_q: torch.Tensor, v: torch.Tensor, mask) -> Kernel:
+    try:
+        kernel = Kernel(kernel)
+    except ValueError:
+        raise bad_value("kernel", f"one of {[k.value for k in Kernel]}", repr(kernel)) from None
+    if kernel in (Kernel.AUTO, Kernel.PYTORCH):
+        return Kernel.PYTORCH
+    raise bad_value("kernel", "Kernel.AUTO or Kernel.PYTORCH for delta_hstu_mha", kernel)

@@ -1,0 +1,9 @@
+"""Serving: a per-user K/V cache of the STU stack and candidate scoring against it (docs/design.md, section 9)."""
+
+from .cache import HistoryCache, JaggedHistory, UserHistory
+from .delta_stack import DeltaLayout, delta_layout, extend, layer_delta, prefill, stack_delta
+from .export import MicroBatchScorer
+from .scoring import MicroBatch, micro_batches
+
+__all__ = ["DeltaLayout", "HistoryCache", "JaggedHistory", "MicroBatch", "MicroBatchScorer", "UserHistory",
+           "delta_layout", "extend", "layer_delta", "micro_batches", "prefill", "stack_delta"]

@@ -1,0 +1,112 @@
+"""A per-user cache of the STU stack's history keys and values (docs/design.md, section 9).
+
+In an STU layer, a new row's attention needs the earlier rows' K and V only (its
+own q, k, v, u come from its input), so K and V per layer are all a history
+leaves behind. The cache holds them per user, computed once
+(:func:`flexhstu.serving.prefill`), appended to when the history grows
+(:func:`flexhstu.serving.extend`) and evicted by the caller; :meth:`gather`
+lays a request's users out jagged for ``delta_hstu_mha``.
+
+Cached values depend on the attention scale of every layer before them, so a
+cache has one ``max_seq_len`` (the bound and the default scale of every call
+that fills or reads it); scores from the cache equal a full recompute run with
+that same ``max_seq_len``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .._errors import as_int, bad_value
+
+
+@dataclass
+class UserHistory:
+    """One user's cached history: per layer ``k (L, H, Dqk)`` and ``v (L, H, Dv)``; ``last (D,)`` is the
+    stack's output at the last history row (None for an empty history)."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    last: torch.Tensor | None
+
+    @property
+    def length(self) -> int:
+        return self.k[0].shape[0]
+
+
+@dataclass
+class JaggedHistory:
+    """A request's histories, jagged: per layer ``k (T_h, H, Dqk)``, ``v (T_h, H, Dv)``; ``offsets (B + 1,)``
+    int64 on the data's device; ``lengths`` the same as host ints (the request plan reads them)."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    offsets: torch.Tensor
+    lengths: list[int]
+
+
+class HistoryCache:
+    """Cached K and V of ``num_layers`` STU layers for many users, keyed by any hashable user id.
+
+    ``max_seq_len``: the length bound and attention scale of every call that fills
+    or reads the cache (a history plus the candidates scored against it must fit).
+    """
+
+    def __init__(self, num_layers: int, max_seq_len: int):
+        self.num_layers = as_int("num_layers", num_layers, minimum=1)
+        self.max_seq_len = as_int("max_seq_len", max_seq_len, minimum=1)
+        self._users: dict[Hashable, UserHistory] = {}
+
+    def __contains__(self, user: Hashable) -> bool:
+        return user in self._users
+
+    def __len__(self) -> int:
+        return len(self._users)
+
+    def length(self, user: Hashable) -> int:
+        """Cached history rows of ``user``."""
+        return self._entry(user).length
+
+    def put(self, user: Hashable, entry: UserHistory) -> None:
+        """Store (or replace) ``user``'s history."""
+        if len(entry.k) != self.num_layers or len(entry.v) != self.num_layers:
+            raise bad_value("entry", f"K and V for {self.num_layers} layers", f"{len(entry.k)} and {len(entry.v)}")
+        if entry.length > self.max_seq_len:
+            raise bad_value("entry", f"a history of at most max_seq_len={self.max_seq_len} rows", entry.length)
+        self._users[user] = entry
+
+    def append(self, user: Hashable, entry: UserHistory) -> None:
+        """Append rows (``entry``: the new rows' K and V per layer, and their last output) to ``user``'s history."""
+        old = self._entry(user)
+        k = [torch.cat([a, b]) for a, b in zip(old.k, entry.k)]
+        v = [torch.cat([a, b]) for a, b in zip(old.v, entry.v)]
+        self.put(user, UserHistory(k, v, entry.last if entry.length else old.last))
+
+    def evict(self, user: Hashable) -> None:
+        """Forget ``user`` (the caller decides when: a cache never evicts by itself)."""
+        self._entry(user)
+        del self._users[user]
+
+    def last(self, users: Sequence[Hashable]) -> list[torch.Tensor | None]:
+        """Each user's stack output at its last history row (None where the history is empty)."""
+        return [self._entry(u).last for u in users]
+
+    def gather(self, users: Sequence[Hashable]) -> JaggedHistory:
+        """The users' histories, jagged in the order given (one copy per layer)."""
+        entries = [self._entry(u) for u in users]
+        if not entries:
+            raise bad_value("users", "at least one cached user", "an empty list")
+        lengths = [e.length for e in entries]
+        device = entries[0].k[0].device
+        offsets = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0).to(device)
+        k = [torch.cat([e.k[layer] for e in entries]) for layer in range(self.num_layers)]
+        v = [torch.cat([e.v[layer] for e in entries]) for layer in range(self.num_layers)]
+        return JaggedHistory(k, v, offsets, lengths)
+
+    def _entry(self, user: Hashable) -> UserHistory:
+        if user not in self._users:
+            raise KeyError(f"user: expected a cached user (call flexhstu.serving.prefill first), got {user!r}")
+        return self._users[user]

@@ -1,0 +1,139 @@
+"""The STU stack run for new rows against cached histories: one ``delta_hstu_mha`` call per layer.
+
+Reproduces ``flexhstu.nn.STULayer`` in eval mode (no dropout) from its
+parameters: ``x -> LN -> [u|v|q|k]``, ``a = attention(q, [K_hist | k], [V_hist | v])``,
+``x + W [silu(u), a, silu(u) * LN(a)]``. Every user's key/value sequence is its
+cached history followed by its new rows, so the new rows sit at local positions
+``L_hist + r``; masks are written for that whole sequence and read at the new rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from .._errors import bad_value
+from ..nn import STULayer, STUStack
+from ..ops.delta import delta_hstu_mha
+from .cache import HistoryCache, JaggedHistory, UserHistory
+
+MaskFn = Callable[[torch.Tensor, int], dict]
+"""``(kv_offsets (B + 1,), total_kv) -> hstu_mha mask keywords`` for the whole sequences (history + new rows),
+e.g. ``{"attn_func": masks.onerank(...)}`` or ``{"num_targets": nt}``; ``{}`` is causal."""
+
+
+class DeltaLayout(NamedTuple):
+    """Where the new rows go: ``kv_offsets (B + 1,)`` jag ``[history | new rows]`` per user; ``hist_rows``
+    ``(T_h,)`` and ``new_rows`` ``(T_n,)`` are their rows there; ``new_offsets (B + 1,)`` jag the new rows and
+    ``q_start (B,)`` (the history lengths) is the position of each user's first new row."""
+
+    kv_offsets: torch.Tensor
+    hist_rows: torch.Tensor
+    new_rows: torch.Tensor
+    new_offsets: torch.Tensor
+    q_start: torch.Tensor
+
+    @property
+    def total_kv(self) -> int:
+        return self.hist_rows.numel() + self.new_rows.numel()
+
+
+def delta_layout(hist_offsets: torch.Tensor, new_offsets: torch.Tensor, total_hist: int,
+                 total_new: int) -> DeltaLayout:
+    """Sync-free: the totals come from the tensors' shapes."""
+    hist_offsets, new_offsets = hist_offsets.to(torch.int64), new_offsets.to(torch.int64)
+    users = torch.arange(hist_offsets.numel() - 1, device=hist_offsets.device)
+    hist_len, new_len = hist_offsets.diff(), new_offsets.diff()
+    seq_h = torch.repeat_interleave(users, hist_len, output_size=total_hist)
+    seq_n = torch.repeat_interleave(users, new_len, output_size=total_new)
+    hist_rows = torch.arange(total_hist, device=users.device) + new_offsets[seq_h]
+    new_rows = torch.arange(total_new, device=users.device) + hist_offsets[seq_n + 1]
+    return DeltaLayout(hist_offsets + new_offsets, hist_rows, new_rows, new_offsets, hist_len)
+
+
+def _merge(hist: torch.Tensor, new: torch.Tensor, layout: DeltaLayout) -> torch.Tensor:
+    out = new.new_empty(layout.total_kv, *new.shape[1:])
+    return out.index_copy(0, layout.hist_rows, hist).index_copy(0, layout.new_rows, new)
+
+
+def layer_delta(layer: STULayer, x: torch.Tensor, hist_k: torch.Tensor, hist_v: torch.Tensor, layout: DeltaLayout,
+                max_seq_len: int, mask_kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One STU layer for new rows ``x (T_n, D)`` -> (output ``(T_n, D)``, ``k (T_n, H, Dqk)``, ``v (T_n, H, Dv)``)."""
+    cfg = layer.cfg
+    h, da, dh = cfg.num_heads, cfg.attention_dim, cfg.hidden_dim
+    u, v, q, k = torch.split(layer.uvqk(layer.norm(x)), [h * dh, h * dh, h * da, h * da], dim=-1)
+    q, k, v = q.reshape(-1, h, da), k.reshape(-1, h, da), v.reshape(-1, h, dh)
+    a = delta_hstu_mha(max_seq_len, None, q, _merge(hist_k, k, layout), _merge(hist_v, v, layout), layout.kv_offsets,
+                       kernel=cfg.kernel, q_offsets=layout.new_offsets, q_start=layout.q_start,
+                       **mask_kwargs).reshape(-1, h * dh)
+    su = F.silu(u)
+    return x + layer.out(torch.cat([su, a, su * layer.attn_norm(a)], dim=-1)), k, v
+
+
+def stack_delta(stack: STUStack, x: torch.Tensor, history: JaggedHistory, new_offsets: torch.Tensor, *,
+                max_seq_len: int, mask: MaskFn | None = None) -> tuple[torch.Tensor, list, list]:
+    """The stack (final norm included) for new rows ``x (T_n, D)`` jagged by ``new_offsets (B + 1,)`` after the
+    cached ``history``. Returns (outputs ``(T_n, D)``, per-layer new ``k``, per-layer new ``v``)."""
+    layout = delta_layout(history.offsets, new_offsets, history.k[0].shape[0], x.shape[0])
+    mask_kwargs = {} if mask is None else dict(mask(layout.kv_offsets, layout.total_kv))
+    if "attn_func" in mask_kwargs:  # one column per query row: the new rows' columns of the whole func
+        mask_kwargs["attn_func"] = mask_kwargs["attn_func"][:, :, layout.new_rows]
+    ks, vs = [], []
+    for layer, hk, hv in zip(stack.layers, history.k, history.v):
+        x, k, v = layer_delta(layer, x, hk, hv, layout, max_seq_len, mask_kwargs)
+        ks.append(k), vs.append(v)
+    return stack.norm(x), ks, vs
+
+
+def empty_history(stack: STUStack, batch: int, like: torch.Tensor) -> JaggedHistory:
+    """``batch`` users with no history rows (dtype and device of ``like``)."""
+    cfg = stack.layers[0].cfg
+    k = [like.new_empty(0, cfg.num_heads, cfg.attention_dim) for _ in stack.layers]
+    v = [like.new_empty(0, cfg.num_heads, cfg.hidden_dim) for _ in stack.layers]
+    return JaggedHistory(k, v, torch.zeros(batch + 1, dtype=torch.int64, device=like.device), [0] * batch)
+
+
+@torch.no_grad()
+def prefill(stack: STUStack, cache: HistoryCache, users: Sequence[Hashable], x: torch.Tensor,
+            seq_offsets: torch.Tensor, mask: MaskFn | None = None) -> torch.Tensor:
+    """Run the stack over whole histories ``x (T_h, D)`` (jagged by ``seq_offsets (B + 1,)``, one per user),
+    store each user's K and V (replacing what was cached) and return the outputs ``(T_h, D)``.
+    ``mask`` is the histories' mask (causal when None). Reads the offsets once (a sync on CUDA)."""
+    _check_users(users, seq_offsets)
+    history = empty_history(stack, len(users), x)
+    out, ks, vs = stack_delta(stack, x, history, seq_offsets, max_seq_len=cache.max_seq_len, mask=mask)
+    _store(cache.put, users, seq_offsets, out, ks, vs)
+    return out
+
+
+@torch.no_grad()
+def extend(stack: STUStack, cache: HistoryCache, users: Sequence[Hashable], x: torch.Tensor,
+           new_offsets: torch.Tensor, mask: MaskFn | None = None) -> torch.Tensor:
+    """Append rows ``x (T_n, D)`` (jagged by ``new_offsets``) to cached users' histories; return their outputs.
+
+    Equal to ``prefill`` of the grown histories when the rows' inputs ``x`` are what a full run would give
+    them and earlier rows never see later ones (causal-like masks)."""
+    _check_users(users, new_offsets)
+    history = cache.gather(users)
+    out, ks, vs = stack_delta(stack, x, history, new_offsets, max_seq_len=cache.max_seq_len, mask=mask)
+    _store(cache.append, users, new_offsets, out, ks, vs)
+    return out
+
+
+def _store(write, users, offsets: torch.Tensor, out: torch.Tensor, ks: list, vs: list) -> None:
+    offs = offsets.tolist()
+    for b, user in enumerate(users):
+        lo, hi = offs[b], offs[b + 1]
+        # Copies: a view would keep the whole batch's tensors alive after other users are evicted.
+        write(user, UserHistory([k[lo:hi].clone() for k in ks], [v[lo:hi].clone() for v in vs],
+                                out[hi - 1].clone() if hi > lo else None))
+
+
+def _check_users(users: Sequence[Hashable], offsets: torch.Tensor) -> None:
+    if len(users) != offsets.numel() - 1:
+        raise bad_value("users", f"one user per sequence ({offsets.numel() - 1})", len(users))
+    if len(set(users)) != len(users):
+        raise bad_value("users", "distinct users", list(users))

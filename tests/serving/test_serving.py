@@ -1,0 +1,151 @@
+"""The history cache and cached scoring equal a full recompute of the whole sequences."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rules import offsets_from
+
+from flexhstu import masks, serving
+from flexhstu.models import HSTURetrieval, OneRankModel, SeqBatch
+from flexhstu.nn import STULayerConfig, STUStack
+from flexhstu.serving import HistoryCache
+
+HIST, CANDS = [5, 0, 8, 3], [3, 2, 5, 0]  # an empty history, a user with no candidates
+
+
+def ranking_request(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hist = torch.randint(1, 51, (sum(HIST),), generator=g)
+    times = torch.cumsum(torch.randint(0, 500, (sum(HIST),), generator=g), 0)
+    cands = torch.randint(1, 51, (sum(CANDS),), generator=g)
+    return hist, times, offsets_from(HIST), cands, offsets_from(CANDS)
+
+
+@pytest.mark.parametrize("task_tokens", [True, False])
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_cached_scores_equal_full_recompute_for_every_micro_batch_size(task_tokens, dtype, tol):
+    torch.manual_seed(0)
+    model = OneRankModel(50, dim=16, layers=2, heads=2, max_len=40, task_tokens=task_tokens, kernel="pytorch")
+    model = model.to(dtype).eval()
+    hist, times, hoffs, cands, coffs = ranking_request()
+    cache = HistoryCache(num_layers=2, max_seq_len=32)
+    users = ["a", "b", "c", "d"]
+    model.cache_histories(cache, users, hist, times, hoffs)
+    with torch.no_grad():
+        full = model(hist, times, hoffs, cands, coffs, max_seq_len=32)
+    for micro_batch in (None, 1, 2, 4):  # 2 and 4 do not divide every user's count
+        got = model.score_cached(cache, users, cands, coffs, micro_batch=micro_batch)
+        torch.testing.assert_close(got, full, rtol=tol, atol=tol)
+
+
+def test_cached_scores_follow_the_user_order_of_the_request():
+    torch.manual_seed(1)
+    model = OneRankModel(50, dim=16, layers=1, heads=2, max_len=40, kernel="pytorch").double().eval()
+    hist, times, hoffs, cands, coffs = ranking_request(seed=2)
+    cache = HistoryCache(1, 32)
+    model.cache_histories(cache, ["a", "b", "c", "d"], hist, times, hoffs)
+    # Request users c and a only: c's history is rows 5:13, a's rows 0:5.
+    sub_c, sub_a = cands[5:10], cands[0:3]
+    got = model.score_cached(cache, ["c", "a"], torch.cat([sub_c, sub_a]), offsets_from([5, 3]), micro_batch=2)
+    with torch.no_grad():
+        full = model(hist, times, hoffs, cands, coffs, max_seq_len=32)
+    torch.testing.assert_close(got, torch.cat([full[5:10], full[0:3]]), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("mask", [None, "sla"])
+def test_extend_equals_prefill_of_the_grown_history(mask):
+    torch.manual_seed(0)
+    stack = STUStack(STULayerConfig(embedding_dim=12, num_heads=2, attention_dim=4, hidden_dim=5, dropout=0.0,
+                                    kernel="pytorch"), 2).double().eval()
+    mask_fn = None if mask is None else (lambda o, t: {"attn_func": masks.sla(o, 2, 1, total=t)})
+    before, after = [4, 0, 6], [3, 2, 0]
+    x_before = torch.randn(sum(before), 12, dtype=torch.float64)
+    x_new = torch.randn(sum(after), 12, dtype=torch.float64)
+    grown = offsets_from([a + b for a, b in zip(before, after)])
+    rows_new = torch.tensor([4, 5, 6, 7, 8])  # grown lengths [7, 2, 6]: a gets 4:7, b gets 7:9
+    x_all = torch.empty(15, 12, dtype=torch.float64)
+    old_rows = torch.tensor([0, 1, 2, 3, 9, 10, 11, 12, 13, 14])
+    x_all[old_rows], x_all[rows_new] = x_before, x_new
+    cache, whole = HistoryCache(2, 20), HistoryCache(2, 20)
+    serving.prefill(stack, cache, ["a", "b", "c"], x_before, offsets_from(before), mask=mask_fn)
+    out_new = serving.extend(stack, cache, ["a", "b", "c"], x_new, offsets_from(after), mask=mask_fn)
+    out_all = serving.prefill(stack, whole, ["a", "b", "c"], x_all, grown, mask=mask_fn)
+    with torch.no_grad():
+        kw = {} if mask_fn is None else mask_fn(grown, 15)
+        full = stack(x_all, grown, 20, **kw)
+    torch.testing.assert_close(out_all, full, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out_new, full[rows_new], rtol=1e-12, atol=1e-12)
+    for user in ("a", "b", "c"):
+        assert cache.length(user) == whole.length(user)
+    got, want = cache.gather(["a", "b", "c"]), whole.gather(["a", "b", "c"])
+    for layer in range(2):
+        torch.testing.assert_close(got.k[layer], want.k[layer], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got.v[layer], want.v[layer], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(torch.stack(cache.last(["a", "b"])), full[[6, 8]], rtol=1e-12, atol=1e-12)
+
+
+def test_retrieval_cached_scores_equal_the_full_scores_of_the_last_state():
+    torch.manual_seed(0)
+    model = HSTURetrieval(30, dim=16, layers=2, heads=2, max_len=20, mask="sla", sla_k1=3, sla_k2=1,
+                          kernel="pytorch").double().eval()
+    lengths = [6, 3, 9]
+    items = torch.randint(1, 31, (18,))
+    batch = SeqBatch(items, torch.arange(18) * 60, torch.zeros(18, dtype=torch.int64), offsets_from(lengths), 24)
+    cache = HistoryCache(2, 24)
+    model.cache_histories(cache, [7, 8, 9], batch)
+    cands = torch.tensor([3, 4, 5, 1, 2, 9, 9])
+    got = model.score_cached(cache, [7, 8, 9], cands, offsets_from([3, 0, 4]))
+    full = model.scores(batch)  # (B, items + 1), with the cache's max_seq_len as the batch's
+    want = torch.cat([full[0, [3, 4, 5]], full[2, [1, 2, 9, 9]]])
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    empty = SeqBatch(items[:0], items[:0], items[:0], offsets_from([0]), 24)
+    model.cache_histories(cache, ["new"], empty)
+    with pytest.raises(ValueError, match=r"users: expected users with a non-empty cached history"):
+        model.score_cached(cache, ["new"], cands[:1], offsets_from([1]))
+
+
+def test_micro_batches_cover_every_candidate_once_in_chunks_of_at_most_the_size():
+    offs = offsets_from([5, 0, 2, 7])
+    plans = serving.micro_batches(offs, 3)
+    assert [p.counts for p in plans] == [[3, 0, 2, 3], [2, 0, 0, 3], [0, 0, 0, 1]]
+    assert sorted(torch.cat([p.index for p in plans]).tolist()) == list(range(14))
+    assert [p.counts for p in serving.micro_batches(offs, None)] == [[5, 0, 2, 7]]
+    with pytest.raises(ValueError, match=r"micro_batch: expected an int >= 1, got 0"):
+        serving.micro_batches(offs, 0)
+
+
+def test_cache_errors_name_the_user_and_the_bound():
+    torch.manual_seed(0)
+    model = OneRankModel(50, dim=16, layers=1, heads=2, max_len=40, kernel="pytorch").eval()
+    hist, times, hoffs, cands, _ = ranking_request()
+    cache = HistoryCache(1, 6)
+    with pytest.raises(ValueError, match=r"max_seq_len: expected at least every sequence length"):
+        model.cache_histories(cache, ["a", "b", "c", "d"], hist, times, hoffs)  # c has 8 rows > 6
+    cache = HistoryCache(1, 32)
+    with pytest.raises(ValueError, match=r"users: expected one user per sequence \(4\), got 3"):
+        model.cache_histories(cache, ["a", "b", "c"], hist, times, hoffs)
+    model.cache_histories(cache, ["a", "b", "c", "d"], hist, times, hoffs)
+    cache.evict("b")
+    assert "b" not in cache and len(cache) == 3
+    with pytest.raises(KeyError, match=r"user: expected a cached user .*got 'b'"):
+        model.score_cached(cache, ["a", "b"], cands[:5], offsets_from([3, 2]))
+    model.train()
+    with pytest.raises(RuntimeError, match=r"OneRankModel: expected eval mode"):
+        model.score_cached(cache, ["a"], cands[:3], offsets_from([3]))
+
+
+def test_exported_micro_batch_scorer_gives_the_eager_and_full_recompute_scores():
+    torch.manual_seed(0)
+    model = OneRankModel(50, dim=16, layers=2, heads=2, max_len=40, kernel="pytorch").eval()
+    hist, times, hoffs, cands, coffs = ranking_request()
+    cache = HistoryCache(2, 32)
+    model.cache_histories(cache, ["a", "b", "c", "d"], hist, times, hoffs)
+    history = cache.gather(["a", "b", "c", "d"])
+    args = (tuple(history.k), tuple(history.v), history.offsets, cands, torch.tensor(CANDS))
+    scorer = serving.MicroBatchScorer(model, cache.max_seq_len)
+    program = torch.export.export(scorer, args)
+    with torch.no_grad():
+        full = model(hist, times, hoffs, cands, coffs, max_seq_len=32)
+    torch.testing.assert_close(program.module()(*args), scorer(*args), rtol=0, atol=0)
+    torch.testing.assert_close(program.module()(*args), full, rtol=1e-5, atol=1e-5)
