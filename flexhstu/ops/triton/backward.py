@@ -19,21 +19,26 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .plan import (block_bounds, block_is_full, bounds4, causal_bounds, first_block, interval_visibility, kv_block_at,
-                   kv_ranges, load_intervals4, locate_block, mask4, sigmoid)
+from .memory import load_rows, tile_mask, tile_ptrs
+from .plan import block_is_full, interval_visibility
+from .query_major import query_major_program
+from .rules import MODE_CAUSAL, causal_bounds, head_func, sequence_targets
+from .silu import sigmoid
+from .tables import first_block, locate_block
 
 
 @triton.jit
-def dq_block(q, do, K, V, h, seq_start, L, n0, rows, stride_kt, stride_kh, stride_vt, stride_vh, alpha,
-             BLOCK_N: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr, CAUSAL_MASK: tl.constexpr, FAST: tl.constexpr):
-    """Key block ``n0``: ``(dS / c, k)`` with ``dS / c = (do v^T) silu'(s)``, zeroed above the diagonal when CAUSAL_MASK."""
+def dq_block(q, do, K, V, h, seq_start, L, n0, rows, alpha, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr,
+             DIM_V: tl.constexpr, TILE_QK: tl.constexpr, TILE_V: tl.constexpr, CAUSAL_MASK: tl.constexpr,
+             FAST_SIGMOID: tl.constexpr):
+    """Key block ``n0``: ``(dS / c, k)`` with ``dS / c = (do v^T) silu'(s)``, zeroed above the diagonal
+    when CAUSAL_MASK."""
     cols = n0 + tl.arange(0, BLOCK_N)
     col_ok = cols < L
-    cols_g = seq_start + cols
-    k = tl.load(K + cols_g[:, None] * stride_kt + h * stride_kh + tl.arange(0, DQK)[None, :], mask=col_ok[:, None], other=0.0)
-    v = tl.load(V + cols_g[:, None] * stride_vt + h * stride_vh + tl.arange(0, DV)[None, :], mask=col_ok[:, None], other=0.0)
+    k = load_rows(K, seq_start + cols, col_ok, h, DIM_QK, TILE_QK)
+    v = load_rows(V, seq_start + cols, col_ok, h, DIM_V, TILE_V)
     s = tl.dot(q, tl.trans(k)) * alpha
-    sig = sigmoid(s, FAST)
+    sig = sigmoid(s, FAST_SIGMOID)
     ds = tl.dot(do, tl.trans(v)) * sig * (1.0 + s * (1.0 - sig))
     if CAUSAL_MASK:
         ds = tl.where(cols[None, :] <= rows[:, None], ds, 0.0)
@@ -42,95 +47,49 @@ def dq_block(q, do, K, V, h, seq_start, L, n0, rows, stride_kt, stride_kh, strid
 
 @triton.jit
 def hstu_backward_dq_kernel(
-    Q, K, V, DO, DQ, FUNC, OFFS, NT, QTAB,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-    stride_dqt, stride_dqh, stride_fh, stride_fj, stride_ft, n_flat, fx_c, fx_w, fx_f,
+    Q, K, V, DO, DQ, func, rule, OFFS, QTAB, n_flat,
     alpha, dq_scale,  # dq_scale = alpha / scaling
-    NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_T: tl.constexpr, RP: tl.constexpr, FAST: tl.constexpr, HOIST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
+    NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_TARGETS: tl.constexpr, INTERVALS_POW2: tl.constexpr,
+    INTERVALS_IN_REGISTERS: tl.constexpr, FAST_SIGMOID: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr, DIM_V: tl.constexpr,
+    TILE_QK: tl.constexpr, TILE_V: tl.constexpr,
 ):
-    pid = n_flat - 1 - tl.program_id(0)
-    h = tl.program_id(1)
-    seq, qb = locate_block(QTAB, OFFS, pid, BLOCK_M)
-    seq_start = tl.load(OFFS + seq).to(tl.int64)
-    L = (tl.load(OFFS + seq + 1) - seq_start).to(tl.int32)
-    if qb * BLOCK_M < L:
-        m0 = qb * BLOCK_M
-        rows = m0 + tl.arange(0, BLOCK_M)
-        row_ok = rows < L
-        rows_g = seq_start + rows
-        q = tl.load(Q + rows_g[:, None] * stride_qt + h * stride_qh + tl.arange(0, DQK)[None, :], mask=row_ok[:, None], other=0.0)
-        do = tl.load(DO + rows_g[:, None] * stride_dot + h * stride_doh + tl.arange(0, DV)[None, :], mask=row_ok[:, None], other=0.0)
-        acc = tl.zeros((BLOCK_M, DQK), dtype=tl.float32)
-        if MODE == 1:
-            n_full = (m0 + 1) // BLOCK_N
-            n_end = (tl.minimum(m0 + BLOCK_M, L) + BLOCK_N - 1) // BLOCK_N
-            for kb in range(0, n_full):
-                ds, k = dq_block(q, do, K, V, h, seq_start, L, kb * BLOCK_N, rows, stride_kt, stride_kh, stride_vt, stride_vh,
-                                 alpha, BLOCK_N, DQK, DV, False, FAST)
-                acc += tl.dot(ds.to(k.dtype), k)
-            for kb in range(n_full, n_end):
-                ds, k = dq_block(q, do, K, V, h, seq_start, L, kb * BLOCK_N, rows, stride_kt, stride_kh, stride_vt, stride_vh,
-                                 alpha, BLOCK_N, DQK, DV, True, FAST)
-                acc += tl.dot(ds.to(k.dtype), k)
-        else:
-            fx_t = 0
-            if HAS_T:
-                fx_t = tl.load(NT + seq).to(tl.int32)
-            fbase = FUNC + h * stride_fh
-            if HOIST:
-                s0, e0, s1, e1, s2, e2, s3, e3 = load_intervals4(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, L,
-                                                                 fx_t, fx_c, fx_w, fx_f, NFUNC, MODE, HAS_T)
-                hlo, hhi, clo, chi = bounds4(s0, e0, s1, e1, s2, e2, s3, e3, row_ok, NFUNC, RP)
-            else:
-                hlo, hhi, clo, chi = block_bounds(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, L, fx_t, fx_c, fx_w, fx_f,
-                                                  NFUNC, MODE, HAS_T, RP)
-            kstart, klen, kcum = kv_ranges(hlo, hhi, BLOCK_N, RP)
-            for it in range(tl.sum(klen, axis=0)):
-                n0 = kv_block_at(it, kstart, klen, kcum) * BLOCK_N
-                ds, k = dq_block(q, do, K, V, h, seq_start, L, n0, rows, stride_kt, stride_kh, stride_vt, stride_vh,
-                                 alpha, BLOCK_N, DQK, DV, False, FAST)
-                if not block_is_full(n0, tl.minimum(n0 + BLOCK_N, L), clo, chi):
-                    cols = n0 + tl.arange(0, BLOCK_N)
-                    if HOIST:
-                        vis = mask4(s0, e0, s1, e1, s2, e2, s3, e3, cols, n0, hlo, hhi, NFUNC, RP, BLOCK_N, False)
-                    else:
-                        vis = interval_visibility(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, cols, L, n0, hlo, hhi,
-                                                  fx_t, fx_c, fx_w, fx_f, NFUNC, MODE, HAS_T, RP, BLOCK_N, False)
-                    ds = tl.where(vis, ds, 0.0)
-                acc += tl.dot(ds.to(k.dtype), k)
-        tl.store(DQ + rows_g[:, None] * stride_dqt + h * stride_dqh + tl.arange(0, DQK)[None, :],
-                 (acc * dq_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+    """``Q``, ``K``, ``DQ``: ``Jagged (total, H, DIM_QK)``; ``V``, ``DO``: ``Jagged (total, H, DIM_V)``;
+    grid ``(n_flat, H)``."""
+    query_major_program(
+        Q=Q, DO=DO, K=K, V=V, OUT=DQ, func=func, rule=rule, OFFS=OFFS, QTAB=QTAB, n_flat=n_flat, alpha=alpha,
+        out_scale=dq_scale, BLOCK_FN=dq_block, WITH_DO=True, OUT_DIM=DIM_QK, OUT_TILE=TILE_QK, NFUNC=NFUNC,
+        MODE=MODE, HAS_TARGETS=HAS_TARGETS, INTERVALS_POW2=INTERVALS_POW2,
+        INTERVALS_IN_REGISTERS=INTERVALS_IN_REGISTERS, FAST_SIGMOID=FAST_SIGMOID, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK, TILE_V=TILE_V)
 
 
 @triton.jit
 def hstu_backward_dkdv_kernel(
-    Q, K, V, DO, GRAD_K, GRAD_V, FUNC, OFFS, NT, KTAB, BOUNDS, QLO, QHI,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-    stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_fh, stride_fj, stride_ft,
-    plan_head, n_qblocks, n_kblocks, n_split, chunk, fx_c, fx_w, fx_f,
+    Q, K, V, DO, DK, DV, func, rule, OFFS, KTAB, BOUNDS, QLO, QHI,
+    plan_head, n_qblocks, n_kblocks, n_split, chunk,
     alpha, dk_scale, dv_scale,  # alpha / scaling, 1 / scaling
-    NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_T: tl.constexpr, RP: tl.constexpr, FAST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
+    NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_TARGETS: tl.constexpr, INTERVALS_POW2: tl.constexpr,
+    FAST_SIGMOID: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr, DIM_V: tl.constexpr,
+    TILE_QK: tl.constexpr, TILE_V: tl.constexpr,
 ):
+    """One program per (key block, split, head); ``BOUNDS``, ``QLO``, ``QHI``: ``_plan_kernel``'s
+    output (unused under MODE_CAUSAL); ``plan_head`` is 1 when the plan has one row per head."""
     pid = tl.program_id(0)
     kflat = pid // n_split
     split = pid % n_split
     h = tl.program_id(1)
-    seq, kb = locate_block(KTAB, OFFS, kflat, BLOCK_N)
-    seq_start = tl.load(OFFS + seq).to(tl.int64)
-    L = (tl.load(OFFS + seq + 1) - seq_start).to(tl.int32)
+    seq, kb, seq_start, L = locate_block(KTAB, OFFS, kflat, BLOCK_N)
     if kb * BLOCK_N < L:
-        fx_t = 0
-        if HAS_T:
-            fx_t = tl.load(NT + seq).to(tl.int32)
+        targets = sequence_targets(rule, seq, HAS_TARGETS)
         n0 = kb * BLOCK_N
         n1 = tl.minimum(n0 + BLOCK_N, L)
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < L
         cols_g = seq_start + cols
-        fbase = FUNC + h * stride_fh
-        if MODE == 1:
+        func_h = head_func(func, h)  # a new name: the tuple's field types differ
+        if MODE == MODE_CAUSAL:
             q_lo = n0 // BLOCK_M
             q_hi = (L + BLOCK_M - 1) // BLOCK_M
         else:
@@ -143,48 +102,50 @@ def hstu_backward_dkdv_kernel(
             lo = q_lo + split * chunk
             hi = tl.where(split == n_split - 1, q_hi, tl.minimum(q_hi, lo + chunk))
         if is_split or split == 0:
-            dqk = tl.arange(0, DQK)
-            dv = tl.arange(0, DV)
-            jr = tl.arange(0, RP)
-            k = tl.load(K + cols_g[:, None] * stride_kt + h * stride_kh + dqk[None, :], mask=col_ok[:, None], other=0.0)
-            v = tl.load(V + cols_g[:, None] * stride_vt + h * stride_vh + dv[None, :], mask=col_ok[:, None], other=0.0)
+            jr = tl.arange(0, INTERVALS_POW2)
+            k = load_rows(K, cols_g, col_ok, h, DIM_QK, TILE_QK)
+            v = load_rows(V, cols_g, col_ok, h, DIM_V, TILE_V)
             q_flat = first_block(OFFS, seq, BLOCK_M)
-            acc_k = tl.zeros((BLOCK_N, DQK), dtype=tl.float32)
-            acc_v = tl.zeros((BLOCK_N, DV), dtype=tl.float32)
+            acc_k = tl.zeros((BLOCK_N, TILE_QK), dtype=tl.float32)
+            acc_v = tl.zeros((BLOCK_N, TILE_V), dtype=tl.float32)
             for qb in range(lo, hi):
                 m0 = qb * BLOCK_M
                 rows = m0 + tl.arange(0, BLOCK_M)
                 row_ok = rows < L
                 rows_g = seq_start + rows
-                q = tl.load(Q + rows_g[:, None] * stride_qt + h * stride_qh + dqk[None, :], mask=row_ok[:, None], other=0.0)
-                do = tl.load(DO + rows_g[:, None] * stride_dot + h * stride_doh + dv[None, :], mask=row_ok[:, None], other=0.0)
-                if MODE == 1:
-                    hlo, hhi, clo, chi = causal_bounds(m0, L, BLOCK_M, RP)
+                q = load_rows(Q, rows_g, row_ok, h, DIM_QK, TILE_QK)
+                do = load_rows(DO, rows_g, row_ok, h, DIM_V, TILE_V)
+                if MODE == MODE_CAUSAL:
+                    hlo, hhi, clo, chi = causal_bounds(m0, L, BLOCK_M, INTERVALS_POW2)
                 else:
-                    b = BOUNDS + ((h * plan_head * n_qblocks) + q_flat + qb) * 4 * RP + jr
+                    b = BOUNDS + ((h * plan_head * n_qblocks) + q_flat + qb) * 4 * INTERVALS_POW2 + jr
                     hlo = tl.load(b)
-                    hhi = tl.load(b + RP)
-                    clo = tl.load(b + 2 * RP)
-                    chi = tl.load(b + 3 * RP)
+                    hhi = tl.load(b + INTERVALS_POW2)
+                    clo = tl.load(b + 2 * INTERVALS_POW2)
+                    chi = tl.load(b + 3 * INTERVALS_POW2)
                 s = tl.dot(k, tl.trans(q)) * alpha  # (BLOCK_N, BLOCK_M): S^T
-                sig = sigmoid(s, FAST)
+                sig = sigmoid(s, FAST_SIGMOID)
                 p = s * sig
                 dp = tl.dot(v, tl.trans(do))
                 ds = dp * sig * (1.0 + s * (1.0 - sig))
                 if not block_is_full(n0, n1, clo, chi):
                     # Intervals are re-read here rather than held in registers: along this kernel's
                     # transposed tile a row vector costs ~16 registers a thread (measured slower).
-                    vis = interval_visibility(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, cols, L, n0, hlo, hhi,
-                                              fx_t, fx_c, fx_w, fx_f, NFUNC, MODE, HAS_T, RP, BLOCK_N, True)
+                    vis = interval_visibility(func=func_h, targets=targets, rule=rule, rows=rows, rows_g=rows_g,
+                                              row_ok=row_ok, L=L, cols=cols, n0=n0, hlo=hlo, hhi=hhi, NFUNC=NFUNC,
+                                              MODE=MODE, HAS_TARGETS=HAS_TARGETS, INTERVALS_POW2=INTERVALS_POW2,
+                                              BLOCK_N=BLOCK_N, TRANS=True)
                     p = tl.where(vis, p, 0.0)
                     ds = tl.where(vis, ds, 0.0)
                 acc_v += tl.dot(p.to(do.dtype), do)
                 acc_k += tl.dot(ds.to(q.dtype), q)
-            dk_ptr = GRAD_K + cols_g[:, None] * stride_dkt + h * stride_dkh + dqk[None, :]
-            dv_ptr = GRAD_V + cols_g[:, None] * stride_dvt + h * stride_dvh + dv[None, :]
+            dk_ptrs = tile_ptrs(DK, cols_g, h, TILE_QK)
+            dv_ptrs = tile_ptrs(DV, cols_g, h, TILE_V)
+            dk_mask = tile_mask(col_ok, DIM_QK, TILE_QK)
+            dv_mask = tile_mask(col_ok, DIM_V, TILE_V)
             if is_split:
-                tl.atomic_add(dk_ptr, (acc_k * dk_scale).to(GRAD_K.dtype.element_ty), mask=col_ok[:, None], sem="relaxed")
-                tl.atomic_add(dv_ptr, (acc_v * dv_scale).to(GRAD_V.dtype.element_ty), mask=col_ok[:, None], sem="relaxed")
+                tl.atomic_add(dk_ptrs, (acc_k * dk_scale).to(DK.ptr.dtype.element_ty), mask=dk_mask, sem="relaxed")
+                tl.atomic_add(dv_ptrs, (acc_v * dv_scale).to(DV.ptr.dtype.element_ty), mask=dv_mask, sem="relaxed")
             else:
-                tl.store(dk_ptr, (acc_k * dk_scale).to(GRAD_K.dtype.element_ty), mask=col_ok[:, None])
-                tl.store(dv_ptr, (acc_v * dv_scale).to(GRAD_V.dtype.element_ty), mask=col_ok[:, None])
+                tl.store(dk_ptrs, (acc_k * dk_scale).to(DK.ptr.dtype.element_ty), mask=dk_mask)
+                tl.store(dv_ptrs, (acc_v * dv_scale).to(DV.ptr.dtype.element_ty), mask=dv_mask)

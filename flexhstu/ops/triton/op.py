@@ -4,212 +4,162 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import triton
 
+from ..._errors import bad_value
+from .args import FixedRule, Func, jagged
 from .backward import hstu_backward_dkdv_kernel, hstu_backward_dq_kernel
+from .config import tiles
+from .debug import poisoning
 from .forward import hstu_forward_kernel
-from .plan import BIG, MODE_CAUSAL, MODE_FIXED, MODE_FUNC, _block_table_kernel, _plan_kernel
+from .limits import MAX_HEAD_DIM, MIN_HEAD_DIM, head_dim_supported, tile_dim
+from .plan import _plan_kernel
+from .rules import BIG, MODE_CAUSAL, MODE_FIXED, MODE_FUNC
+from .tables import BlockTables
 
-POISON_OUTPUTS = False
-"""When True, outputs are filled with NaN before the kernels run (the GPU check sets it), so an
-element a kernel forgot to write shows up as NaN instead of stale memory."""
-
-
-@dataclass(frozen=True)
-class Tile:
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
+_NEVER_SPLIT = int(BIG)
+"""A chunk longer than any key block's query range (in query blocks)."""
 
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _env_tile(name: str, default: Tile) -> Tile:
-    """``FLEXHSTU_<NAME>_TILE=BM,BN,WARPS,STAGES`` overrides a tile (used by the benchmark's sweep)."""
-    text = os.environ.get(f"FLEXHSTU_{name}_TILE")
-    if not text:
-        return default
-    bm, bn, w, s = (int(x) for x in text.split(","))
-    return Tile(bm, bn, w, s)
-
-
-def tiles(dqk: int, dv: int) -> tuple[Tile, Tile, Tile]:
-    """(forward, dQ, dK/dV) tiles. The interpreter gets small, unequal blocks so tests cross many blocks."""
-    if _interpreting():
-        return Tile(32, 16, 4, 1), Tile(16, 32, 4, 1), Tile(16, 32, 4, 1)
-    d = max(dqk, dv)
-    if d <= 64:
-        fwd, dq, dkdv = Tile(128, 64, 4, 3), Tile(128, 64, 4, 3), Tile(64, 128, 4, 3)
-    elif d <= 128:
-        fwd, dq, dkdv = Tile(128, 64, 8, 3), Tile(128, 64, 8, 3), Tile(64, 128, 8, 2)  # from benchmarks/sweep.py
-    else:
-        fwd, dq, dkdv = Tile(64, 64, 4, 2), Tile(64, 32, 4, 2), Tile(32, 64, 4, 2)
-    return _env_tile("FWD", fwd), _env_tile("DQ", dq), _env_tile("DKDV", dkdv)
-
-
-def block_table(offs: torch.Tensor, total: int, block: int) -> tuple[torch.Tensor, int]:
-    """(sequence of each flat block, number of flat blocks) for one block size.
-
-    Sequence ``b`` owns flat blocks from ``offs[b] // block + b``; the count
-    ``total // block + B`` needs no device read. One launch, no prefix sum.
-    """
-    nseq = offs.numel() - 1
-    bound = total // block + nseq
-    tab = torch.empty(bound, dtype=torch.int32, device=offs.device)
-    _block_table_kernel[(nseq,)](offs, tab, BLOCK=block, CHUNK=256)
-    return tab, bound
-
-
 @dataclass
-class Mask:
+class Visibility:
     """How the kernels learn visibility: a func tensor, closed-form causal, or the closed-form fixed rule."""
 
     mode: int
-    func: Optional[torch.Tensor] = None
-    num_targets: Optional[torch.Tensor] = None
+    func: torch.Tensor | None = None
+    num_targets: torch.Tensor | None = None
     contextual: int = 0
     window: int = 0
     min_full: int = 0
 
     def nfunc(self) -> int:
-        return {MODE_FUNC: self.func.shape[1] if self.func is not None else 1, MODE_CAUSAL: 1, MODE_FIXED: 5}[self.mode]
+        if self.mode == MODE_FUNC:
+            return self.func.shape[1]
+        return 1 if self.mode == MODE_CAUSAL else 5
 
     def per_head(self) -> bool:
         f = self.func
         return f is not None and f.shape[0] > 1 and f.stride(0) != 0
 
-    def kernel_args(self, placeholder: torch.Tensor) -> tuple[list, dict]:
-        """(tensor and stride arguments, constexprs) shared by every kernel. ``placeholder`` stands in
-        for an absent func or num_targets (never read): no allocation per call."""
-        f = self.func if self.func is not None else placeholder
-        nt = self.num_targets if self.num_targets is not None else f
-        strides = [(f.stride(0) if self.per_head() else 0), f.stride(1) if f.dim() > 1 else 0, f.stride(2) if f.dim() > 2 else 0]
+    def kernel_args(self, placeholder: torch.Tensor) -> dict:
+        """Mask arguments shared by every kernel: ``func``, ``rule`` and their constexprs. ``placeholder``
+        stands in for an absent func or num_targets (never read): no allocation per call."""
+        f = self.func
+        func = Func(placeholder, 0, 0, 0) if f is None else Func(f, f.stride(0) if self.per_head() else 0,
+                                                                  f.stride(1), f.stride(2))
+        nt = self.num_targets if self.num_targets is not None else placeholder
         nfunc = self.nfunc()
-        const = dict(NFUNC=nfunc, MODE=self.mode, HAS_T=self.num_targets is not None,
-                     RP=max(2, triton.next_power_of_2((nfunc + 1) // 2)))
-        return [f, nt, *strides], const
-
-
-def _fast(mask: "Mask") -> dict:
-    """Attention-kernel switches: tanh.approx sigmoid on the GPU (the interpreter has no inline PTX);
-    register-resident intervals for funcs of up to four intervals."""
-    return {"FAST": not _interpreting(), "HOIST": mask.nfunc() <= 7}
-
-
-class Tables(dict):
-    """Block tables by block size, computed once per call and shared by the forward and the backward."""
-
-    def __init__(self, offs: torch.Tensor, total: int):
-        super().__init__()
-        self.offs, self.total = offs, total
-
-    def get(self, block: int) -> tuple[torch.Tensor, int]:
-        if block not in self:
-            self[block] = block_table(self.offs, self.total, block)
-        return self[block]
+        return dict(func=func, rule=FixedRule(nt, self.contextual, self.window, self.min_full),
+                    NFUNC=nfunc, MODE=self.mode, HAS_TARGETS=self.num_targets is not None,
+                    INTERVALS_POW2=max(2, triton.next_power_of_2((nfunc + 1) // 2)))
 
 
 def _new_like(x: torch.Tensor, *shape: int) -> torch.Tensor:
     out = torch.empty(*(shape or x.shape), dtype=x.dtype, device=x.device)
-    return out.fill_(float("nan")) if POISON_OUTPUTS else out
+    return out.fill_(float("nan")) if poisoning() else out
 
 
 def _last_dim_contiguous(*xs: torch.Tensor) -> list[torch.Tensor]:
     return [x if x.stride(-1) == 1 else x.contiguous() for x in xs]
 
 
-def _qkv_strides(*xs: torch.Tensor) -> list[int]:
-    return [s for x in xs for s in (x.stride(0), x.stride(1))]
+def _attention_args(q, k, v, offs, vis: Visibility, alpha: float, interpreting: bool) -> dict:
+    """Arguments of the three attention kernels: Q, K, V, the mask, the head dims, the sigmoid switch
+    (tanh.approx on the GPU; the interpreter has no inline PTX)."""
+    dqk, dv = q.shape[2], v.shape[2]
+    return dict(Q=jagged(q), K=jagged(k), V=jagged(v), OFFS=offs, alpha=alpha, DIM_QK=dqk, DIM_V=dv,
+                TILE_QK=tile_dim(dqk), TILE_V=tile_dim(dv), FAST_SIGMOID=not interpreting, **vis.kernel_args(offs))
 
 
-def forward(q, k, v, offs, mask: Mask, alpha: float, out_scale: float, tables: Optional[Tables] = None) -> torch.Tensor:
+def _query_major_args(vis: Visibility) -> dict:
+    """Register-resident intervals (the query-major kernels) for funcs of up to four intervals."""
+    return dict(INTERVALS_IN_REGISTERS=vis.nfunc() <= 7)
+
+
+def forward(q, k, v, offs, vis: Visibility, alpha: float, out_scale: float,
+            tables: BlockTables | None = None) -> torch.Tensor:
     q, k, v = _last_dim_contiguous(q, k, v)
     total, nheads, dqk = q.shape
-    dv = v.shape[2]
-    out = _new_like(q, total, nheads, dv)
+    out = _new_like(q, total, nheads, v.shape[2])
     if total == 0:
         return out
-    tile, _, _ = tiles(dqk, dv)
-    tables = tables if tables is not None else Tables(offs, total)
-    qtab, nqb = tables.get(tile.block_m)
-    (f, nt, sfh, sfj, sft), const = mask.kernel_args(offs)
+    interpreting = _interpreting()
+    tile = tiles(tile_dim(dqk), tile_dim(v.shape[2]), interpreting).forward
+    tables = tables if tables is not None else BlockTables(offs, total)
+    qtab, nqb = tables.table(tile.block_m)
     hstu_forward_kernel[(nqb, nheads)](
-        q, k, v, out, f, offs, nt, qtab, *_qkv_strides(q, k, v, out), sfh, sfj, sft,
-        nqb, mask.contextual, mask.window, mask.min_full, alpha, out_scale,
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, DQK=dqk, DV=dv, num_warps=tile.num_warps, num_stages=tile.num_stages,
-        **const, **_fast(mask),
+        **_attention_args(q, k, v, offs, vis, alpha, interpreting), **_query_major_args(vis), **tile.launch(),
+        OUT=jagged(out), QTAB=qtab, n_flat=nqb, out_scale=out_scale,
     )
     return out
 
 
-def backward(dout, q, k, v, offs, mask: Mask, alpha: float, out_scale: float, max_seq_len: int,
-             tables: Optional[Tables] = None):
+def backward(dout, q, k, v, offs, vis: Visibility, alpha: float, out_scale: float, max_seq_len: int,
+             tables: BlockTables | None = None):
     dout, q, k, v = _last_dim_contiguous(dout, q, k, v)
     total, nheads, dqk = q.shape
-    dv_dim = v.shape[2]
     dq = _new_like(q)
     if total == 0:
         return dq, _new_like(k), _new_like(v)
-    _, tq, tkv = tiles(dqk, dv_dim)
-    (f, nt, sfh, sfj, sft), const = mask.kernel_args(offs)
-    fixed = (mask.contextual, mask.window, mask.min_full)
-    tables = tables if tables is not None else Tables(offs, total)
-    qtab, nqb = tables.get(tq.block_m)
+    interpreting = _interpreting()
+    _, tq, tkv = tiles(tile_dim(dqk), tile_dim(v.shape[2]), interpreting)
+    args = _attention_args(q, k, v, offs, vis, alpha, interpreting)
+    tables = tables if tables is not None else BlockTables(offs, total)
+    qtab, nqb = tables.table(tq.block_m)
     hstu_backward_dq_kernel[(nqb, nheads)](
-        q, k, v, dout, dq, f, offs, nt, qtab, *_qkv_strides(q, k, v, dout, dq), sfh, sfj, sft,
-        nqb, *fixed, alpha, alpha * out_scale,
-        BLOCK_M=tq.block_m, BLOCK_N=tq.block_n, DQK=dqk, DV=dv_dim, num_warps=tq.num_warps, num_stages=tq.num_stages,
-        **const, **_fast(mask),
+        **args, **_query_major_args(vis), **tq.launch(),
+        DO=jagged(dout), DQ=jagged(dq), QTAB=qtab, n_flat=nqb, dq_scale=alpha * out_scale,
     )
     # Key-major pass: its query blocks (BLOCK_M) and key blocks (BLOCK_N) index the plan.
-    ptab, npb = tables.get(tkv.block_m)
-    ktab, nkb = tables.get(tkv.block_n)
+    ptab, npb = tables.table(tkv.block_m)
+    ktab, nkb = tables.table(tkv.block_n)
     # Split a key block's query range when it is long: at most 8 chunks of at least `chunk` query blocks.
+    # max_seq_len only sizes the split: the last chunk runs to the end of the range whatever its length,
+    # and with one program per key block (n_split 1) no range is split, since only n_split > 1 zeroes
+    # the outputs that the split path adds into.
     q_blocks_max = max(1, -(-max(max_seq_len, 1) // tkv.block_m))
-    chunk = 2 if _interpreting() else max(32, -(-q_blocks_max // 8))
+    chunk = 2 if interpreting else max(32, -(-q_blocks_max // 8))
     n_split = max(1, -(-q_blocks_max // chunk))
+    if n_split == 1:
+        chunk = _NEVER_SPLIT
     if n_split > 1:
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     else:
         dk, dv = _new_like(k), _new_like(v)
-    per_head = mask.per_head()
+    per_head = vis.per_head()
     nplan = nheads if per_head else 1
-    if mask.mode == MODE_CAUSAL:
+    if vis.mode == MODE_CAUSAL:
         bounds = qlo = qhi = ktab  # unused: the causal ranges are closed-form
     else:
-        bounds = torch.empty(nplan, npb, 4, const["RP"], dtype=torch.int32, device=q.device)
-        qlo = torch.full((nplan, nkb), BIG, dtype=torch.int32, device=q.device)
+        bounds = torch.empty(nplan, npb, 4, args["INTERVALS_POW2"], dtype=torch.int32, device=q.device)
+        qlo = torch.full((nplan, nkb), int(BIG), dtype=torch.int32, device=q.device)
         qhi = torch.zeros((nplan, nkb), dtype=torch.int32, device=q.device)
         _plan_kernel[(npb, nplan)](
-            f, offs, nt, ptab, bounds, qlo, qhi, sfh, sfj, sft, npb, nkb, *fixed,
-            BLOCK_M=tkv.block_m, BLOCK_N=tkv.block_n, num_warps=4, **const,
+            **vis.kernel_args(offs), OFFS=offs, QTAB=ptab, BOUNDS=bounds, QLO=qlo, QHI=qhi, n_qblocks=npb,
+            n_kblocks=nkb, BLOCK_M=tkv.block_m, BLOCK_N=tkv.block_n, num_warps=4,
         )
     hstu_backward_dkdv_kernel[(nkb * n_split, nheads)](
-        q, k, v, dout, dk, dv, f, offs, nt, ktab, bounds, qlo, qhi,
-        *_qkv_strides(q, k, v, dout, dk, dv), sfh, sfj, sft,
-        1 if per_head else 0, npb, nkb, n_split, chunk, *fixed, alpha, alpha * out_scale, out_scale,
-        BLOCK_M=tkv.block_m, BLOCK_N=tkv.block_n, DQK=dqk, DV=dv_dim, num_warps=tkv.num_warps, num_stages=tkv.num_stages,
-        **const, FAST=not _interpreting(),
+        **args, **tkv.launch(),
+        DO=jagged(dout), DK=jagged(dk), DV=jagged(dv), KTAB=ktab, BOUNDS=bounds, QLO=qlo, QHI=qhi,
+        plan_head=1 if per_head else 0, n_qblocks=npb, n_kblocks=nkb, n_split=n_split, chunk=chunk,
+        dk_scale=alpha * out_scale, dv_scale=out_scale,
     )
     return dq, dk, dv
 
 
-def _mask(func, num_targets, mode: int, contextual: int, window: int, min_full: int) -> Mask:
-    return Mask(mode, func, num_targets, contextual, window, min_full)
-
-
 @torch.library.custom_op("flexhstu::hstu_mha_fwd", mutates_args=())
 def hstu_mha_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offsets: torch.Tensor,
-                 func: Optional[torch.Tensor], num_targets: Optional[torch.Tensor], mode: int,
+                 func: torch.Tensor | None, num_targets: torch.Tensor | None, mode: int,
                  contextual: int, window: int, min_full: int, alpha: float, out_scale: float,
                  max_seq_len: int) -> torch.Tensor:
-    return forward(q, k, v, seq_offsets, _mask(func, num_targets, mode, contextual, window, min_full), alpha, out_scale)
+    vis = Visibility(mode, func, num_targets, contextual, window, min_full)
+    return forward(q, k, v, seq_offsets, vis, alpha, out_scale)
 
 
 @hstu_mha_fwd.register_fake
@@ -219,11 +169,11 @@ def _(q, k, v, seq_offsets, func, num_targets, mode, contextual, window, min_ful
 
 @torch.library.custom_op("flexhstu::hstu_mha_bwd", mutates_args=())
 def hstu_mha_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offsets: torch.Tensor,
-                 func: Optional[torch.Tensor], num_targets: Optional[torch.Tensor], mode: int,
+                 func: torch.Tensor | None, num_targets: torch.Tensor | None, mode: int,
                  contextual: int, window: int, min_full: int, alpha: float, out_scale: float,
                  max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    mask = _mask(func, num_targets, mode, contextual, window, min_full)
-    return backward(dout, q, k, v, seq_offsets, mask, alpha, out_scale, max_seq_len)
+    vis = Visibility(mode, func, num_targets, contextual, window, min_full)
+    return backward(dout, q, k, v, seq_offsets, vis, alpha, out_scale, max_seq_len)
 
 
 @hstu_mha_bwd.register_fake
@@ -251,20 +201,22 @@ class _HstuAttention(torch.autograd.Function):
     and with the block tables of the forward reused by the backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, offs, func, num_targets, mode, contextual, window, min_full, alpha, out_scale, max_seq_len):
-        tables = Tables(offs, q.shape[0])
-        out = forward(q, k, v, offs, _mask(func, num_targets, mode, contextual, window, min_full), alpha, out_scale, tables)
+    def forward(ctx, q, k, v, offs, func, num_targets, mode, contextual, window, min_full, alpha, out_scale,
+                max_seq_len):
+        tables = BlockTables(offs, q.shape[0])
+        vis = Visibility(mode, func, num_targets, contextual, window, min_full)
+        out = forward(q, k, v, offs, vis, alpha, out_scale, tables)
         ctx.save_for_backward(q, k, v, offs, func, num_targets)
-        ctx.rest = (mode, contextual, window, min_full, alpha, out_scale, max_seq_len)
+        ctx.rest = (vis, alpha, out_scale, max_seq_len)
         ctx.tables = tables
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, offs, func, num_targets = ctx.saved_tensors
-        mode, contextual, window, min_full, alpha, out_scale, max_seq_len = ctx.rest
-        mask = _mask(func, num_targets, mode, contextual, window, min_full)
-        dq, dk, dv = backward(dout, q, k, v, offs, mask, alpha, out_scale, max_seq_len, ctx.tables)
+        vis, alpha, out_scale, max_seq_len = ctx.rest
+        vis = Visibility(vis.mode, func, num_targets, vis.contextual, vis.window, vis.min_full)
+        dq, dk, dv = backward(dout, q, k, v, offs, vis, alpha, out_scale, max_seq_len, ctx.tables)
         return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
@@ -273,16 +225,26 @@ def triton_hstu_mha(q, k, v, seq_offsets, *, func=None, num_targets=None, causal
                     alpha: float, out_scale: float, max_seq_len: int) -> torch.Tensor:
     """Dispatch to the custom op. ``func`` given: the func decides; else causal or the fixed rule in closed form.
 
-    ``max_seq_len`` only sizes the split of long key-major ranges; a wrong value costs speed, not correctness.
+    q, k: ``(total, H, Dqk)``, v: ``(total, H, Dv)``, any strides (a non-unit last stride costs a copy);
+    seq_offsets ``(B + 1,)`` and num_targets ``(B,)``: int32 or int64, any stride. Returns ``(total, H, Dv)``.
+
+    ``max_seq_len`` is only a tuning hint (it sizes the split of long key-major ranges): any value,
+    0 or smaller than the longest sequence included, gives the same result.
     """
-    offs = seq_offsets if seq_offsets.dtype == torch.int64 else seq_offsets.to(torch.int64)
+    for name, d in (("q.shape[2] (Dqk)", q.shape[2]), ("v.shape[2] (Dv)", v.shape[2])):
+        if not head_dim_supported(d):
+            raise bad_value(name, f"a head dim from {MIN_HEAD_DIM} to {MAX_HEAD_DIM} for the Triton kernels", d)
+    # The kernels read offsets and num_targets as plain int64 / int arrays (no strides): made so here, once.
+    offs = seq_offsets.to(torch.int64).contiguous()
+    if num_targets is not None:
+        num_targets = num_targets.contiguous()
     if func is not None:
         mode = MODE_FUNC
     elif causal_closed_form:
         mode = MODE_CAUSAL
     else:
         mode = MODE_FIXED
-    args = (q, k, v, offs, func, num_targets, mode, contextual, window, min_full, alpha, out_scale, max_seq_len)
+    args = (q, k, v, offs, func, num_targets, int(mode), contextual, window, min_full, alpha, out_scale, max_seq_len)
     if torch.compiler.is_compiling():
         return hstu_mha_fwd(*args)
     return _HstuAttention.apply(*args)

@@ -8,10 +8,16 @@ Per query block the func rows are read once and reduced, per interval ``j``, to
 * the **core** ``[clo_j, chi_j)``: the part every row sees (max of starts, min of
   ends); a key block inside some core needs no element mask.
 
-These four ``(RP,)`` vectors (RP = intervals rounded up to a power of two) drive
-the loops of every kernel. The query-major kernels compute them in their
-prologue; the key-major backward reads them from ``_plan_kernel``'s output,
-which also records, per key block, the range of query blocks that see it.
+These four ``(INTERVALS_POW2,)`` vectors (the interval count rounded up to a
+power of two) drive the loops of every kernel. The query-major kernels compute
+them in their prologue; the key-major backward reads them from
+``_plan_kernel``'s output, which also records, per key block, the range of
+query blocks that see it.
+
+Every helper here takes the mask as ``func`` (one head's rows, ``head_func``),
+``targets`` (this sequence's num_targets) and ``rule`` (``FixedRule``), and the
+query block as ``rows`` (local positions), ``rows_g`` (jagged rows), ``row_ok``
+(``rows < L``) and ``L``.
 """
 
 from __future__ import annotations
@@ -19,105 +25,50 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-BIG = 1 << 30
-
-
-MODE_FUNC = 0
-MODE_CAUSAL = 1
-MODE_FIXED = 2
+from .rules import BIG, head_func, row_interval, sequence_targets
+from .tables import first_block, locate_block
 
 
 @triton.jit
-def fixed_ids(x, off, max_id, HAS_T: tl.constexpr):
-    """HSTU ids: contextual rows share id 0, targets share ``max_id``."""
-    ids = tl.maximum(x - off, 0)
-    if HAS_T:
-        ids = tl.minimum(ids, max_id)
-    return ids
+def _no_bounds(INTERVALS_POW2: tl.constexpr):
+    """Hulls and cores of no row: empty hulls, empty cores, ready for ``_fold_bounds``."""
+    return (tl.full((INTERVALS_POW2,), BIG, tl.int32), tl.zeros((INTERVALS_POW2,), tl.int32),
+            tl.full((INTERVALS_POW2,), BIG, tl.int32), tl.zeros((INTERVALS_POW2,), tl.int32))
 
 
 @triton.jit
-def fixed_first_ge(v, L, off, max_id, HAS_T: tl.constexpr):
-    """First local position whose id is >= v (ids are non-decreasing), in [0, L]."""
-    id_first = fixed_ids(0, off, max_id, HAS_T)
-    id_last = fixed_ids(L - 1, off, max_id, HAS_T)
-    return tl.where(v <= id_first, 0, tl.where(v > id_last, L, tl.minimum(v + off, L)))
-
-
-@triton.jit
-def fixed_interval(rows, L, j: tl.constexpr, fx_t, fx_c, fx_w, fx_f, HAS_T: tl.constexpr):
-    """The fixed rule in closed form (as masks.fixed): row i sees C u A u {i}.
-
-    j = 0: C = [0, first_ge(max_id)) for contextual rows; j = 1: A = [0 or
-    window start, first_ge(ids(i))); j = 2: {i}.
-    """
-    off = tl.maximum(fx_c - 1, 0)
-    max_id = L - off - fx_t
-    cur = fixed_ids(rows, off, max_id, HAS_T)
-    if j == 0:
-        start = tl.zeros_like(rows)
-        end = tl.where((fx_c > 0) & (cur == 0), fixed_first_ge(max_id + tl.zeros_like(rows), L, off, max_id, HAS_T), 0)
-    elif j == 1:
-        end = fixed_first_ge(cur, L, off, max_id, HAS_T)
-        windowed = (fx_w > 0) & ~((fx_f > 0) & (cur >= max_id - fx_f))
-        start = tl.where(windowed, fixed_first_ge(cur - fx_w, L, off, max_id, HAS_T), 0)
-    else:
-        start = rows
-        end = rows + 1
-    return start, end
-
-
-@triton.jit
-def row_interval(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, L, j: tl.constexpr, MODE: tl.constexpr,
-                 fx_t, fx_c, fx_w, fx_f, HAS_T: tl.constexpr):
-    """Interval ``j`` of each row, clipped to ``[0, L)``; rows past ``L`` get ``[0, 0)``.
-
-    MODE: 0 reads the func tensor, 1 is causal ``[0, i + 1)``, 2 is the fixed rule.
-    """
-    if MODE == 1:
-        start = tl.zeros_like(rows)
-        end = rows + 1
-    elif MODE == 2:
-        start, end = fixed_interval(rows, L, j, fx_t, fx_c, fx_w, fx_f, HAS_T)
-    else:
-        if j == 0:
-            start = tl.zeros_like(rows)
-        else:
-            start = tl.load(fbase + (2 * j - 1) * stride_fj + rows_g * stride_ft, mask=row_ok, other=0)
-        end = tl.load(fbase + (2 * j) * stride_fj + rows_g * stride_ft, mask=row_ok, other=0)
-    start = tl.maximum(start, 0)
-    end = tl.where(row_ok, tl.minimum(end, L), 0)
-    return start, end
-
-
-@triton.jit
-def block_bounds(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, L, fx_t, fx_c, fx_w, fx_f,
-                 NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_T: tl.constexpr, RP: tl.constexpr):
-    """Per-interval hull and core of a query block: four ``(RP,)`` int32 vectors."""
-    jr = tl.arange(0, RP)
-    hlo = tl.full((RP,), 1 << 30, tl.int32)
-    hhi = tl.zeros((RP,), tl.int32)
-    clo = tl.full((RP,), 1 << 30, tl.int32)
-    chi = tl.zeros((RP,), tl.int32)
-    for j in tl.static_range((NFUNC + 1) // 2):
-        s, e = row_interval(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, L, j, MODE, fx_t, fx_c, fx_w, fx_f, HAS_T)
-        nonempty = e > s
-        hlo = tl.where(jr == j, tl.min(tl.where(nonempty, s, 1 << 30), axis=0), hlo)
-        hhi = tl.where(jr == j, tl.max(tl.where(nonempty, e, 0), axis=0), hhi)
-        clo = tl.where(jr == j, tl.max(tl.where(row_ok, s, 0), axis=0), clo)
-        chi = tl.where(jr == j, tl.min(tl.where(row_ok, e, 1 << 30), axis=0), chi)
+def _fold_bounds(hlo, hhi, clo, chi, s, e, row_ok, jr, j: tl.constexpr):
+    """Set slot ``j`` of the hull/core vectors from the rows' interval ``[s, e)``."""
+    nonempty = e > s
+    hlo = tl.where(jr == j, tl.min(tl.where(nonempty, s, BIG), axis=0), hlo)
+    hhi = tl.where(jr == j, tl.max(tl.where(nonempty, e, 0), axis=0), hhi)
+    clo = tl.where(jr == j, tl.max(tl.where(row_ok, s, 0), axis=0), clo)
+    chi = tl.where(jr == j, tl.min(tl.where(row_ok, e, BIG), axis=0), chi)
     return hlo, hhi, clo, chi
 
 
 @triton.jit
-def kv_ranges(hlo, hhi, BLOCK_N: tl.constexpr, RP: tl.constexpr):
+def block_bounds(func, targets, rule, rows, rows_g, row_ok, L,
+                 NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_TARGETS: tl.constexpr, INTERVALS_POW2: tl.constexpr):
+    """Per-interval hull and core of a query block: four ``(INTERVALS_POW2,)`` int32 vectors."""
+    jr = tl.arange(0, INTERVALS_POW2)
+    hlo, hhi, clo, chi = _no_bounds(INTERVALS_POW2)
+    for j in tl.static_range((NFUNC + 1) // 2):
+        s, e = row_interval(func=func, targets=targets, rule=rule, rows=rows, rows_g=rows_g, row_ok=row_ok, L=L,
+                            j=j, MODE=MODE, HAS_TARGETS=HAS_TARGETS)
+        hlo, hhi, clo, chi = _fold_bounds(hlo, hhi, clo, chi, s, e, row_ok, jr, j)
+    return hlo, hhi, clo, chi
+
+
+@triton.jit
+def kv_ranges(hlo, hhi, BLOCK_N: tl.constexpr, INTERVALS_POW2: tl.constexpr):
     """Merge the hulls (in key blocks) into disjoint ranges; returns start, length, exclusive cumsum.
 
     Interval ``j`` keeps the blocks of its hull past every hull that sorts
     before it (by start, then index), so each key block is visited exactly once
     whatever the order of the intervals in the func.
     """
-    jr = tl.arange(0, RP)
+    jr = tl.arange(0, INTERVALS_POW2)
     blo = hlo // BLOCK_N
     bhi = (hhi + BLOCK_N - 1) // BLOCK_N
     before = (blo[None, :] < blo[:, None]) | ((blo[None, :] == blo[:, None]) & (jr[None, :] < jr[:, None]))
@@ -141,133 +92,53 @@ def block_is_full(n0, n1, clo, chi):
 
 
 @triton.jit
-def interval_visibility(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, cols, L, n0, hlo, hhi,
-                        fx_t, fx_c, fx_w, fx_f,
-                        NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_T: tl.constexpr, RP: tl.constexpr,
-                        BLOCK_N: tl.constexpr, TRANS: tl.constexpr):
+def _meets_block(hlo, hhi, n0, BLOCK_N: tl.constexpr, INTERVALS_POW2: tl.constexpr):
+    """Bit ``j`` set when the hull of interval ``j`` meets key block ``[n0, n0 + BLOCK_N)``."""
+    jr = tl.arange(0, INTERVALS_POW2)
+    return tl.sum(tl.where((hlo < n0 + BLOCK_N) & (hhi > n0), 1 << jr, 0), axis=0)
+
+
+@triton.jit
+def _inside(s, e, cols, TRANS: tl.constexpr):
+    """Bool tile: key column ``cols`` in ``[s, e)`` of each row; ``(rows, cols)``, or ``(cols, rows)`` when TRANS."""
+    if TRANS:
+        return (cols[:, None] >= s[None, :]) & (cols[:, None] < e[None, :])
+    else:
+        return (cols[None, :] >= s[:, None]) & (cols[None, :] < e[:, None])
+
+
+@triton.jit
+def interval_visibility(func, targets, rule, rows, rows_g, row_ok, L, cols, n0, hlo, hhi,
+                        NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_TARGETS: tl.constexpr,
+                        INTERVALS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, TRANS: tl.constexpr):
     """Bool tile of visible pairs: ``(rows, cols)``, or ``(cols, rows)`` when TRANS.
 
     Only intervals whose hull meets this key block are evaluated, so an
     interval that is empty for the block's rows (a widened func's padding)
     costs one scalar test.
     """
-    jr = tl.arange(0, RP)
-    rel = tl.sum(tl.where((hlo < n0 + BLOCK_N) & (hhi > n0), 1 << jr, 0), axis=0)
-    if TRANS:
-        vis = (cols[:, None] < 0) & (rows[None, :] < 0)
-    else:
-        vis = (rows[:, None] < 0) & (cols[None, :] < 0)
+    meets = _meets_block(hlo, hhi, n0, BLOCK_N, INTERVALS_POW2)
+    vis = (cols[:, None] < 0) & (rows[None, :] < 0) if TRANS else (rows[:, None] < 0) & (cols[None, :] < 0)
     for j in tl.static_range((NFUNC + 1) // 2):
-        if ((rel >> j) & 1) != 0:
-            s, e = row_interval(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, L, j, MODE, fx_t, fx_c, fx_w, fx_f, HAS_T)
-            if TRANS:
-                vis = vis | ((cols[:, None] >= s[None, :]) & (cols[:, None] < e[None, :]))
-            else:
-                vis = vis | ((cols[None, :] >= s[:, None]) & (cols[None, :] < e[:, None]))
+        if ((meets >> j) & 1) != 0:
+            s, e = row_interval(func=func, targets=targets, rule=rule, rows=rows, rows_g=rows_g, row_ok=row_ok, L=L,
+                                j=j, MODE=MODE, HAS_TARGETS=HAS_TARGETS)
+            vis = vis | _inside(s, e, cols, TRANS)
     return vis
 
 
-@triton.jit
-def first_block(OFFS, seq, BLOCK: tl.constexpr):
-    """Flat index of sequence ``seq``'s first block: ``offs[seq] // BLOCK + seq``.
-
-    Consecutive sequences are at least ``cdiv(L, BLOCK)`` apart (at most one
-    spare slot each), so the flat range ``[0, total // BLOCK + B)`` holds every
-    block of every sequence with no prefix sum.
-    """
-    return (tl.load(OFFS + seq) // BLOCK + seq).to(tl.int32)
-
-
-@triton.jit
-def locate_block(TAB, OFFS, flat, BLOCK: tl.constexpr):
-    """Flat block index -> (sequence, block within it). The block may lie past the
-    sequence's end (a spare slot): callers test ``local * BLOCK < L``."""
-    seq = tl.load(TAB + flat)
-    return seq, flat - first_block(OFFS, seq, BLOCK)
-
-
-@triton.jit
-def _block_table_kernel(OFFS, TAB, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
-    """One program per sequence: write its id over its flat block slots."""
-    b = tl.program_id(0)
-    lo = first_block(OFFS, b, BLOCK)
-    hi = first_block(OFFS, b + 1, BLOCK)
-    for c0 in range(lo, hi, CHUNK):
-        idx = c0 + tl.arange(0, CHUNK)
-        tl.store(TAB + idx, b + tl.zeros_like(idx), mask=idx < hi)
-
-
-@triton.jit
-def _plan_kernel(FUNC, OFFS, NT, QTAB, BOUNDS, QLO, QHI,
-                 stride_fh, stride_fj, stride_ft, n_qblocks, n_kblocks, fx_c, fx_w, fx_f,
-                 NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_T: tl.constexpr, RP: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Per query block: store its hull/core vectors; per key block: min/max query block that sees it."""
-    pid = tl.program_id(0)
-    hf = tl.program_id(1)
-    seq, qb = locate_block(QTAB, OFFS, pid, BLOCK_M)
-    seq_start = tl.load(OFFS + seq).to(tl.int64)
-    L = (tl.load(OFFS + seq + 1) - seq_start).to(tl.int32)
-    if qb * BLOCK_M < L:
-        fx_t = 0
-        if HAS_T:
-            fx_t = tl.load(NT + seq).to(tl.int32)
-        rows = qb * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = rows < L
-        rows_g = seq_start + rows
-        fbase = FUNC + hf * stride_fh
-        hlo, hhi, clo, chi = block_bounds(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, L, fx_t, fx_c, fx_w, fx_f,
-                                          NFUNC, MODE, HAS_T, RP)
-        jr = tl.arange(0, RP)
-        out = BOUNDS + (hf * n_qblocks + pid) * 4 * RP + jr
-        tl.store(out, hlo)
-        tl.store(out + RP, hhi)
-        tl.store(out + 2 * RP, clo)
-        tl.store(out + 3 * RP, chi)
-        kbase = hf * n_kblocks + first_block(OFFS, seq, BLOCK_N)
-        for j in tl.static_range((NFUNC + 1) // 2):
-            blo = tl.sum(tl.where(jr == j, hlo // BLOCK_N, 0), axis=0)
-            bhi = tl.sum(tl.where(jr == j, (hhi + BLOCK_N - 1) // BLOCK_N, 0), axis=0)
-            for c0 in range(blo, bhi, 64):
-                kbs = c0 + tl.arange(0, 64)
-                m = kbs < bhi
-                tl.atomic_min(QLO + kbase + kbs, qb + tl.zeros_like(kbs), mask=m)
-                tl.atomic_max(QHI + kbase + kbs, qb + 1 + tl.zeros_like(kbs), mask=m)
-
-
-@triton.jit
-def sigmoid(x, FAST: tl.constexpr):
-    """sigmoid(x). FAST: one MUFU op, ``0.5 + 0.5 tanh(x / 2)`` with tanh.approx.f32
-    (relative error ~5e-4, far under bf16's); else ``1 / (1 + 2^(-x log2 e))`` (the interpreter's path)."""
-    if FAST:
-        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x * 0.5], dtype=tl.float32, is_pure=True, pack=1)
-        return 0.5 + 0.5 * t
-    else:
-        return 1.0 / (1.0 + tl.exp2(-x * 1.4426950408889634))
-
-
-@triton.jit
-def causal_bounds(m0, L, BLOCK_M: tl.constexpr, RP: tl.constexpr):
-    """Closed-form hull/core of a causal query block starting at row ``m0``: rows see ``[0, i + 1)``."""
-    jr = tl.arange(0, RP)
-    first = jr == 0
-    hlo = tl.where(first, 0, 1 << 30)
-    hhi = tl.where(first, tl.minimum(m0 + BLOCK_M, L), 0)
-    clo = tl.where(first, 0, 1 << 30)
-    chi = tl.where(first, m0 + 1, 0)
-    return hlo, hhi, clo, chi
-
-
 # Register-resident intervals: for NFUNC <= 7 (up to four intervals) a block's row
-# intervals are loaded once into eight vectors, so masking a key block reads no memory.
-# Wider funcs take the general path above (row_interval reloads per key block).
+# intervals are loaded once into a tuple of eight vectors, so masking a key block
+# reads no memory. Wider funcs take the general path above (row_interval reloads
+# per key block).
 
 
 @triton.jit
-def load_intervals4(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, L, fx_t, fx_c, fx_w, fx_f,
-                    NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_T: tl.constexpr):
-    """Intervals 0..3 of each row as (s0, e0, ..., s3, e3); absent intervals are ``[0, 0)``."""
-    s0, e0 = row_interval(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, L, 0, MODE, fx_t, fx_c, fx_w, fx_f, HAS_T)
+def load_row_intervals(func, targets, rule, rows, rows_g, row_ok, L,
+                       NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_TARGETS: tl.constexpr):
+    """Intervals 0..3 of each row as ``(s0, e0, ..., s3, e3)``; absent intervals are ``[0, 0)``."""
+    s0, e0 = row_interval(func=func, targets=targets, rule=rule, rows=rows, rows_g=rows_g, row_ok=row_ok, L=L,
+                          j=0, MODE=MODE, HAS_TARGETS=HAS_TARGETS)
     s1 = tl.zeros_like(rows)
     e1 = tl.zeros_like(rows)
     s2 = tl.zeros_like(rows)
@@ -275,32 +146,23 @@ def load_intervals4(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, L, fx_t, 
     s3 = tl.zeros_like(rows)
     e3 = tl.zeros_like(rows)
     if NFUNC >= 3:
-        s1, e1 = row_interval(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, L, 1, MODE, fx_t, fx_c, fx_w, fx_f, HAS_T)
+        s1, e1 = row_interval(func=func, targets=targets, rule=rule, rows=rows, rows_g=rows_g, row_ok=row_ok, L=L,
+                              j=1, MODE=MODE, HAS_TARGETS=HAS_TARGETS)
     if NFUNC >= 5:
-        s2, e2 = row_interval(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, L, 2, MODE, fx_t, fx_c, fx_w, fx_f, HAS_T)
+        s2, e2 = row_interval(func=func, targets=targets, rule=rule, rows=rows, rows_g=rows_g, row_ok=row_ok, L=L,
+                              j=2, MODE=MODE, HAS_TARGETS=HAS_TARGETS)
     if NFUNC >= 7:
-        s3, e3 = row_interval(fbase, stride_fj, stride_ft, rows, rows_g, row_ok, L, 3, MODE, fx_t, fx_c, fx_w, fx_f, HAS_T)
+        s3, e3 = row_interval(func=func, targets=targets, rule=rule, rows=rows, rows_g=rows_g, row_ok=row_ok, L=L,
+                              j=3, MODE=MODE, HAS_TARGETS=HAS_TARGETS)
     return s0, e0, s1, e1, s2, e2, s3, e3
 
 
 @triton.jit
-def _fold_bounds(hlo, hhi, clo, chi, s, e, row_ok, jr, j: tl.constexpr):
-    nonempty = e > s
-    hlo = tl.where(jr == j, tl.min(tl.where(nonempty, s, 1 << 30), axis=0), hlo)
-    hhi = tl.where(jr == j, tl.max(tl.where(nonempty, e, 0), axis=0), hhi)
-    clo = tl.where(jr == j, tl.max(tl.where(row_ok, s, 0), axis=0), clo)
-    chi = tl.where(jr == j, tl.min(tl.where(row_ok, e, 1 << 30), axis=0), chi)
-    return hlo, hhi, clo, chi
-
-
-@triton.jit
-def bounds4(s0, e0, s1, e1, s2, e2, s3, e3, row_ok, NFUNC: tl.constexpr, RP: tl.constexpr):
-    """block_bounds from register-resident intervals."""
-    jr = tl.arange(0, RP)
-    hlo = tl.full((RP,), 1 << 30, tl.int32)
-    hhi = tl.zeros((RP,), tl.int32)
-    clo = tl.full((RP,), 1 << 30, tl.int32)
-    chi = tl.zeros((RP,), tl.int32)
+def bounds_from_intervals(intervals, row_ok, NFUNC: tl.constexpr, INTERVALS_POW2: tl.constexpr):
+    """``block_bounds`` from the tuple of ``load_row_intervals``."""
+    s0, e0, s1, e1, s2, e2, s3, e3 = intervals
+    jr = tl.arange(0, INTERVALS_POW2)
+    hlo, hhi, clo, chi = _no_bounds(INTERVALS_POW2)
     hlo, hhi, clo, chi = _fold_bounds(hlo, hhi, clo, chi, s0, e0, row_ok, jr, 0)
     if NFUNC >= 3:
         hlo, hhi, clo, chi = _fold_bounds(hlo, hhi, clo, chi, s1, e1, row_ok, jr, 1)
@@ -312,27 +174,54 @@ def bounds4(s0, e0, s1, e1, s2, e2, s3, e3, row_ok, NFUNC: tl.constexpr, RP: tl.
 
 
 @triton.jit
-def _inside(s, e, cols, TRANS: tl.constexpr):
-    if TRANS:
-        return (cols[:, None] >= s[None, :]) & (cols[:, None] < e[None, :])
-    else:
-        return (cols[None, :] >= s[:, None]) & (cols[None, :] < e[:, None])
+def visibility_from_intervals(intervals, cols, n0, hlo, hhi, NFUNC: tl.constexpr, INTERVALS_POW2: tl.constexpr,
+                              BLOCK_N: tl.constexpr, TRANS: tl.constexpr):
+    """``interval_visibility`` from the tuple of ``load_row_intervals``; intervals whose hull misses
+    the block are skipped."""
+    s0, e0, s1, e1, s2, e2, s3, e3 = intervals
+    meets = _meets_block(hlo, hhi, n0, BLOCK_N, INTERVALS_POW2)
+    vis = _inside(s0, e0, cols, TRANS) & ((meets & 1) != 0)
+    # Nested on purpose: the outer test is a constexpr (resolved at compile time), the inner one a runtime branch.
+    if NFUNC >= 3:  # noqa: SIM102
+        if (meets & 2) != 0:
+            vis = vis | _inside(s1, e1, cols, TRANS)
+    if NFUNC >= 5:  # noqa: SIM102
+        if (meets & 4) != 0:
+            vis = vis | _inside(s2, e2, cols, TRANS)
+    if NFUNC >= 7:  # noqa: SIM102
+        if (meets & 8) != 0:
+            vis = vis | _inside(s3, e3, cols, TRANS)
+    return vis
 
 
 @triton.jit
-def mask4(s0, e0, s1, e1, s2, e2, s3, e3, cols, n0, hlo, hhi,
-          NFUNC: tl.constexpr, RP: tl.constexpr, BLOCK_N: tl.constexpr, TRANS: tl.constexpr):
-    """interval_visibility from register-resident intervals; intervals whose hull misses the block are skipped."""
-    jr = tl.arange(0, RP)
-    rel = tl.sum(tl.where((hlo < n0 + BLOCK_N) & (hhi > n0), 1 << jr, 0), axis=0)
-    vis = _inside(s0, e0, cols, TRANS) & ((rel & 1) != 0)
-    if NFUNC >= 3:
-        if (rel & 2) != 0:
-            vis = vis | _inside(s1, e1, cols, TRANS)
-    if NFUNC >= 5:
-        if (rel & 4) != 0:
-            vis = vis | _inside(s2, e2, cols, TRANS)
-    if NFUNC >= 7:
-        if (rel & 8) != 0:
-            vis = vis | _inside(s3, e3, cols, TRANS)
-    return vis
+def _plan_kernel(func, rule, OFFS, QTAB, BOUNDS, QLO, QHI, n_qblocks, n_kblocks,
+                 NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_TARGETS: tl.constexpr, INTERVALS_POW2: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Per query block: store its hull/core vectors ``BOUNDS (Hplan, n_qblocks, 4, INTERVALS_POW2)``;
+    per key block: the first (``QLO``) and past-the-last (``QHI``) query block that sees it."""
+    pid = tl.program_id(0)
+    hf = tl.program_id(1)
+    seq, qb, seq_start, L = locate_block(QTAB, OFFS, pid, BLOCK_M)
+    if qb * BLOCK_M < L:
+        rows = qb * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < L
+        hlo, hhi, clo, chi = block_bounds(
+            func=head_func(func, hf), targets=sequence_targets(rule, seq, HAS_TARGETS), rule=rule,
+            rows=rows, rows_g=seq_start + rows, row_ok=row_ok, L=L,
+            NFUNC=NFUNC, MODE=MODE, HAS_TARGETS=HAS_TARGETS, INTERVALS_POW2=INTERVALS_POW2)
+        jr = tl.arange(0, INTERVALS_POW2)
+        out = BOUNDS + (hf * n_qblocks + pid) * 4 * INTERVALS_POW2 + jr
+        tl.store(out, hlo)
+        tl.store(out + INTERVALS_POW2, hhi)
+        tl.store(out + 2 * INTERVALS_POW2, clo)
+        tl.store(out + 3 * INTERVALS_POW2, chi)
+        kbase = hf * n_kblocks + first_block(OFFS, seq, BLOCK_N)
+        for j in tl.static_range((NFUNC + 1) // 2):
+            blo = tl.sum(tl.where(jr == j, hlo // BLOCK_N, 0), axis=0)
+            bhi = tl.sum(tl.where(jr == j, (hhi + BLOCK_N - 1) // BLOCK_N, 0), axis=0)
+            for c0 in range(blo, bhi, 64):
+                kbs = c0 + tl.arange(0, 64)
+                m = kbs < bhi
+                tl.atomic_min(QLO + kbase + kbs, qb + tl.zeros_like(kbs), mask=m)
+                tl.atomic_max(QHI + kbase + kbs, qb + 1 + tl.zeros_like(kbs), mask=m)

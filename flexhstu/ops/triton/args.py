@@ -1,0 +1,45 @@
+"""What the kernels take, grouped: a tensor with its strides, the func, the fixed rule.
+
+Triton passes a NamedTuple to a ``@triton.jit`` function field by field (each
+field specialised like a plain argument), so a kernel reads ``q.stride_t``
+instead of taking ``stride_qt`` among forty positional arguments.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class Jagged(NamedTuple):
+    """A jagged ``(total, H, D)`` tensor with a unit last stride: element ``(t, h, d)`` is at
+    ``ptr + t * stride_t + h * stride_h + d``."""
+
+    ptr: torch.Tensor
+    stride_t: int
+    stride_h: int
+
+
+class Func(NamedTuple):
+    """The func tensor ``(Hf, NFUNC, total)``; ``stride_h`` is 0 when one mask row serves every head."""
+
+    ptr: torch.Tensor
+    stride_h: int
+    stride_j: int
+    stride_t: int
+
+
+class FixedRule(NamedTuple):
+    """The fixed rule's parameters (docs/design.md, section 3): ``num_targets`` ``(B,)`` (read only
+    when the kernel's HAS_TARGETS is set), ``contextual_seq_len``, ``max_attn_len``,
+    ``min_full_attn_seq_len``."""
+
+    num_targets: torch.Tensor
+    contextual: int
+    window: int
+    min_full: int
+
+
+def jagged(x: torch.Tensor) -> Jagged:
+    return Jagged(x, x.stride(0), x.stride(1))

@@ -1,0 +1,116 @@
+"""The query-major walk shared by the forward and the dQ kernel.
+
+One program owns a query block and visits the key blocks its rows see: under
+MODE_CAUSAL two loops (blocks wholly before the first row, then the diagonal
+blocks), otherwise the merged interval hulls of the block, masking only the key
+blocks that no core covers. ``BLOCK_FN`` computes one key block's contribution
+as a pair ``(x, y)`` (forward: ``(silu(s), v)``; dQ: ``(dS / c, k)``), added as
+``acc += x @ y``; the walk zeroes ``x`` where the mask hides a pair.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .memory import load_rows, store_rows
+from .plan import (
+    block_bounds,
+    block_is_full,
+    bounds_from_intervals,
+    interval_visibility,
+    kv_block_at,
+    kv_ranges,
+    load_row_intervals,
+    visibility_from_intervals,
+)
+from .rules import MODE_CAUSAL, head_func, sequence_targets
+from .tables import locate_block
+
+
+@triton.jit
+def query_major_walk(acc, q, do, K, V, func, rule, h, seq, seq_start, L, m0, rows, row_ok, rows_g, alpha,
+                     BLOCK_FN: tl.constexpr, NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_TARGETS: tl.constexpr,
+                     INTERVALS_POW2: tl.constexpr, INTERVALS_IN_REGISTERS: tl.constexpr, FAST_SIGMOID: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr, DIM_V: tl.constexpr,
+                     TILE_QK: tl.constexpr, TILE_V: tl.constexpr):
+    """``acc (BLOCK_M, D)`` plus the contribution of every key block that query block ``m0`` sees.
+
+    ``q (BLOCK_M, DIM_QK)`` and ``do (BLOCK_M, DIM_V)`` are the block's tiles (the forward passes ``q``
+    for ``do``, unused); ``K``, ``V``: ``Jagged``.
+    """
+    if MODE == MODE_CAUSAL:
+        # Key blocks wholly at or before the first row need no mask; the rest meet the diagonal.
+        n_full = (m0 + 1) // BLOCK_N
+        n_end = (tl.minimum(m0 + BLOCK_M, L) + BLOCK_N - 1) // BLOCK_N
+        for kb in range(0, n_full):
+            x, y = BLOCK_FN(q=q, do=do, K=K, V=V, h=h, seq_start=seq_start, L=L, n0=kb * BLOCK_N, rows=rows,
+                            alpha=alpha, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK, TILE_V=TILE_V,
+                            CAUSAL_MASK=False, FAST_SIGMOID=FAST_SIGMOID)
+            acc += tl.dot(x.to(y.dtype), y)
+        for kb in range(n_full, n_end):
+            x, y = BLOCK_FN(q=q, do=do, K=K, V=V, h=h, seq_start=seq_start, L=L, n0=kb * BLOCK_N, rows=rows,
+                            alpha=alpha, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK, TILE_V=TILE_V,
+                            CAUSAL_MASK=True, FAST_SIGMOID=FAST_SIGMOID)
+            acc += tl.dot(x.to(y.dtype), y)
+    else:
+        targets = sequence_targets(rule, seq, HAS_TARGETS)
+        func_h = head_func(func, h)  # a new name: the tuple's field types differ
+        if INTERVALS_IN_REGISTERS:
+            intervals = load_row_intervals(func=func_h, targets=targets, rule=rule, rows=rows, rows_g=rows_g,
+                                           row_ok=row_ok, L=L, NFUNC=NFUNC, MODE=MODE, HAS_TARGETS=HAS_TARGETS)
+            hlo, hhi, clo, chi = bounds_from_intervals(intervals, row_ok, NFUNC, INTERVALS_POW2)
+        else:
+            hlo, hhi, clo, chi = block_bounds(func=func_h, targets=targets, rule=rule, rows=rows, rows_g=rows_g,
+                                              row_ok=row_ok, L=L, NFUNC=NFUNC, MODE=MODE, HAS_TARGETS=HAS_TARGETS,
+                                              INTERVALS_POW2=INTERVALS_POW2)
+        kstart, klen, kcum = kv_ranges(hlo, hhi, BLOCK_N, INTERVALS_POW2)
+        for it in range(tl.sum(klen, axis=0)):
+            n0 = kv_block_at(it, kstart, klen, kcum) * BLOCK_N
+            x, y = BLOCK_FN(q=q, do=do, K=K, V=V, h=h, seq_start=seq_start, L=L, n0=n0, rows=rows,
+                            alpha=alpha, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK, TILE_V=TILE_V,
+                            CAUSAL_MASK=False, FAST_SIGMOID=FAST_SIGMOID)
+            if not block_is_full(n0, tl.minimum(n0 + BLOCK_N, L), clo, chi):
+                cols = n0 + tl.arange(0, BLOCK_N)
+                if INTERVALS_IN_REGISTERS:
+                    vis = visibility_from_intervals(intervals=intervals, cols=cols, n0=n0, hlo=hlo, hhi=hhi,
+                                                    NFUNC=NFUNC, INTERVALS_POW2=INTERVALS_POW2, BLOCK_N=BLOCK_N,
+                                                    TRANS=False)
+                else:
+                    vis = interval_visibility(func=func_h, targets=targets, rule=rule, rows=rows, rows_g=rows_g,
+                                              row_ok=row_ok, L=L, cols=cols, n0=n0, hlo=hlo, hhi=hhi, NFUNC=NFUNC,
+                                              MODE=MODE, HAS_TARGETS=HAS_TARGETS, INTERVALS_POW2=INTERVALS_POW2,
+                                              BLOCK_N=BLOCK_N, TRANS=False)
+                x = tl.where(vis, x, 0.0)
+            acc += tl.dot(x.to(y.dtype), y)
+    return acc
+
+
+@triton.jit
+def query_major_program(Q, DO, K, V, OUT, func, rule, OFFS, QTAB, n_flat, alpha, out_scale,
+                        BLOCK_FN: tl.constexpr, WITH_DO: tl.constexpr, OUT_DIM: tl.constexpr, OUT_TILE: tl.constexpr,
+                        NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_TARGETS: tl.constexpr,
+                        INTERVALS_POW2: tl.constexpr, INTERVALS_IN_REGISTERS: tl.constexpr,
+                        FAST_SIGMOID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        DIM_QK: tl.constexpr, DIM_V: tl.constexpr, TILE_QK: tl.constexpr, TILE_V: tl.constexpr):
+    """One query-major program: locate its query block (last flat blocks first: under causal-like masks
+    they carry the most key blocks), load ``q`` (and ``do`` when WITH_DO), walk, store
+    ``out_scale * acc`` into ``OUT (total, H, OUT_DIM)``."""
+    h = tl.program_id(1)
+    seq, qb, seq_start, L = locate_block(QTAB, OFFS, n_flat - 1 - tl.program_id(0), BLOCK_M)
+    m0 = qb * BLOCK_M
+    if m0 < L:
+        rows = m0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < L
+        rows_g = seq_start + rows
+        q = load_rows(Q, rows_g, row_ok, h, DIM_QK, TILE_QK)
+        do = load_rows(DO, rows_g, row_ok, h, DIM_V, TILE_V) if WITH_DO else q
+        acc = query_major_walk(
+            acc=tl.zeros((BLOCK_M, OUT_TILE), dtype=tl.float32), q=q, do=do, K=K, V=V, func=func, rule=rule,
+            h=h,
+            seq=seq, seq_start=seq_start, L=L, m0=m0, rows=rows, row_ok=row_ok, rows_g=rows_g, alpha=alpha,
+            BLOCK_FN=BLOCK_FN, NFUNC=NFUNC, MODE=MODE, HAS_TARGETS=HAS_TARGETS, INTERVALS_POW2=INTERVALS_POW2,
+            INTERVALS_IN_REGISTERS=INTERVALS_IN_REGISTERS, FAST_SIGMOID=FAST_SIGMOID,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK,
+            TILE_V=TILE_V)
+        store_rows(OUT, rows_g, row_ok, h, acc * out_scale, OUT_DIM, OUT_TILE)
