@@ -19,6 +19,7 @@ from ..jagged import (
     lengths_of,
 )
 from ..masks.rules import FixedRule
+from .capability import triton_unsupported_reason
 from .hstu_mha import _check_func_alone, _check_same_device, _checked_rule
 from .kernel import Kernel
 from .pytorch.delta import pytorch_delta_hstu_mha
@@ -116,7 +117,8 @@ def delta_hstu_mha(
     if scaling <= 0:
         scaling = float(max_seq_len) or 1.0
     mask = attn_func if attn_func is not None else rule
-    _choose_backend(kernel, delta_q, v, mask)
+    if _choose_backend(kernel, delta_q, v, mask) == Kernel.TRITON:
+        return _run_triton(delta_q, k, v, seq_offsets, q_offsets, q_start, mask, alpha, scaling)
     return pytorch_delta_hstu_mha(delta_q, k, v, seq_offsets, q_offsets, q_start, mask, alpha=alpha,
                                   scaling_seqlen=scaling, max_seq_len=max_seq_len)
 
@@ -195,6 +197,27 @@ def _choose_backend(kernel: Kernel | str, delta_q: torch.Tensor, v: torch.Tensor
         kernel = Kernel(kernel)
     except ValueError:
         raise bad_value("kernel", f"one of {[k.value for k in Kernel]}", repr(kernel)) from None
-    if kernel in (Kernel.AUTO, Kernel.PYTORCH):
-        return Kernel.PYTORCH
-    raise bad_value("kernel", "Kernel.AUTO or Kernel.PYTORCH for delta_hstu_mha", kernel)
+    if kernel == Kernel.CUTLASS:
+        raise bad_value("kernel", "Kernel.AUTO, PYTORCH or TRITON for delta_hstu_mha (no CUTLASS delta kernel)",
+                        kernel)
+    if kernel == Kernel.PYTORCH:
+        return kernel
+    reason = triton_unsupported_reason(delta_q, v, mask, 0.0)
+    if kernel == Kernel.AUTO:
+        return Kernel.TRITON if delta_q.is_cuda and reason is None else Kernel.PYTORCH
+    if reason is not None:
+        raise ValueError(f"{reason}; Kernel.PYTORCH runs every input")
+    return kernel
+
+
+def _run_triton(delta_q, k, v, seq_offsets, q_offsets, q_start, mask, alpha: float, scaling: float) -> torch.Tensor:
+    from .triton.delta_op import triton_delta_hstu_mha
+
+    common = dict(alpha=alpha, out_scale=1.0 / scaling)
+    if isinstance(mask, torch.Tensor):
+        return triton_delta_hstu_mha(delta_q, k, v, seq_offsets, q_offsets, q_start, func=mask, **common)
+    plain = mask.num_targets is None and mask.max_attn_len == 0 and mask.contextual_seq_len == 0
+    return triton_delta_hstu_mha(
+        delta_q, k, v, seq_offsets, q_offsets, q_start, num_targets=mask.num_targets, causal_closed_form=plain,
+        contextual=mask.contextual_seq_len, window=mask.max_attn_len, min_full=mask.min_full_attn_seq_len, **common,
+    )

@@ -166,7 +166,7 @@ BAD = [
     (dict(attn_func=torch.zeros(1, 1, 6, **I32)), ValueError, r"attn_func.shape\[2\]: expected one column per"),
     (dict(attn_func=torch.zeros(1, 1, 4, **I32), max_attn_len=2), ValueError, r"leave max_attn_len at the default"),
     (dict(max_seq_len=4), ValueError, r"max_seq_len: expected at least every sequence length"),
-    (dict(kernel=Kernel.CUTLASS), ValueError, r"kernel: expected Kernel.AUTO or Kernel.PYTORCH"),
+    (dict(kernel=Kernel.CUTLASS), ValueError, r"kernel: expected Kernel.AUTO, PYTORCH or TRITON"),
     (dict(num_targets=torch.tensor([6, 0])), ValueError, r"num_targets\[0\]: expected 0 <= T <= the sequence length 5"),
 ]
 

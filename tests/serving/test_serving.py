@@ -149,3 +149,17 @@ def test_exported_micro_batch_scorer_gives_the_eager_and_full_recompute_scores()
         full = model(hist, times, hoffs, cands, coffs, max_seq_len=32)
     torch.testing.assert_close(program.module()(*args), scorer(*args), rtol=0, atol=0)
     torch.testing.assert_close(program.module()(*args), full, rtol=1e-5, atol=1e-5)
+
+
+def test_cached_scores_through_the_triton_delta_kernel_equal_the_reference_full_recompute():
+    torch.manual_seed(0)
+    model = OneRankModel(50, dim=32, layers=2, heads=2, max_len=40, kernel="pytorch").eval()
+    hist, times, hoffs, cands, coffs = ranking_request()
+    with torch.no_grad():
+        full = model(hist, times, hoffs, cands, coffs, max_seq_len=32)
+    for layer in model.stack.layers:
+        layer.cfg.kernel = "triton"  # the layers share one config
+    cache = HistoryCache(2, 32)
+    model.cache_histories(cache, ["a", "b", "c", "d"], hist, times, hoffs)
+    got = model.score_cached(cache, ["a", "b", "c", "d"], cands, coffs, micro_batch=2)
+    torch.testing.assert_close(got, full, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,51 @@
+"""Delta forward: one program per (query block, head) of the query rows, against whole key sequences.
+
+A delta query block is a block of query rows whose local positions start at
+``q_start[b] + r0`` instead of ``r0``; the training forward's query-major walk
+then visits exactly the key blocks those rows see (hulls, cores and the causal
+diagonal are all computed from local positions). Func columns are the query rows.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .forward import attend
+from .memory import load_rows, store_rows
+from .query_major import query_major_walk
+from .tables import locate_block
+
+
+@triton.jit
+def delta_forward_kernel(
+    Q, K, V, OUT, func, rule, OFFS, QOFFS, QSTART, QTAB, n_flat,
+    alpha, out_scale,  # out_scale = 1 / scaling_seqlen
+    NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_TARGETS: tl.constexpr, INTERVALS_POW2: tl.constexpr,
+    INTERVALS_IN_REGISTERS: tl.constexpr, FAST_SIGMOID: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr, DIM_V: tl.constexpr,
+    TILE_QK: tl.constexpr, TILE_V: tl.constexpr,
+):
+    """``Q``: ``Jagged (total_q, H, DIM_QK)`` by ``QOFFS``; ``K``, ``V``: ``Jagged (total_kv, H, D)`` by ``OFFS``;
+    ``OUT (total_q, H, DIM_V)`` (zero-filled: rows outside their sequence are never written); ``QSTART (B,)``;
+    grid ``(n_flat, H)`` over ``QTAB``, the query rows' block table."""
+    h = tl.program_id(1)
+    seq, qb, q_first, nq = locate_block(QTAB, QOFFS, n_flat - 1 - tl.program_id(0), BLOCK_M)
+    seq_start = tl.load(OFFS + seq).to(tl.int64)
+    L = (tl.load(OFFS + seq + 1) - seq_start).to(tl.int32)
+    r0 = qb * BLOCK_M
+    m0 = tl.load(QSTART + seq).to(tl.int32) + r0  # local position of the block's first row
+    # m0 < L also bounds the causal walk when q_start is garbage (it is not checked on the GPU).
+    if (r0 < nq) & (m0 < L):
+        r = r0 + tl.arange(0, BLOCK_M)
+        rows = m0 + tl.arange(0, BLOCK_M)
+        row_ok = (r < nq) & (rows >= 0) & (rows < L)
+        qrows_g = q_first + r
+        q = load_rows(Q, qrows_g, row_ok, h, DIM_QK, TILE_QK)
+        acc = query_major_walk(
+            acc=tl.zeros((BLOCK_M, TILE_V), dtype=tl.float32), q=q, do=q, K=K, V=V, func=func, rule=rule, h=h,
+            seq=seq, seq_start=seq_start, L=L, m0=m0, rows=rows, row_ok=row_ok, rows_g=qrows_g, alpha=alpha,
+            BLOCK_FN=attend, NFUNC=NFUNC, MODE=MODE, HAS_TARGETS=HAS_TARGETS, INTERVALS_POW2=INTERVALS_POW2,
+            INTERVALS_IN_REGISTERS=INTERVALS_IN_REGISTERS, FAST_SIGMOID=FAST_SIGMOID,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK, TILE_V=TILE_V)
+        store_rows(OUT, qrows_g, row_ok, h, acc * out_scale, DIM_V, TILE_V)
