@@ -17,6 +17,7 @@ import torch
 from ..masks.rules import FixedRule
 from .triton.limits import MAX_HEAD_DIM, MIN_HEAD_DIM, head_dim_supported
 
+
 @functools.cache
 def _triton_installed() -> bool:
     """Whether triton can be imported; asked once per process (a package lookup costs ~25 us per call)."""

@@ -22,13 +22,14 @@ def delta_forward_kernel(
     Q, K, V, OUT, func, rule, OFFS, QOFFS, QSTART, QTAB, n_flat,
     alpha, out_scale,  # out_scale = 1 / scaling_seqlen
     NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_TARGETS: tl.constexpr, INTERVALS_POW2: tl.constexpr,
-    INTERVALS_IN_REGISTERS: tl.constexpr, FAST_SIGMOID: tl.constexpr,
+    FAST_SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr, DIM_V: tl.constexpr,
     TILE_QK: tl.constexpr, TILE_V: tl.constexpr,
 ):
     """``Q``: ``Jagged (total_q, H, DIM_QK)`` by ``QOFFS``; ``K``, ``V``: ``Jagged (total_kv, H, D)`` by ``OFFS``;
     ``OUT (total_q, H, DIM_V)`` (zero-filled: rows outside their sequence are never written); ``QSTART (B,)``;
     grid ``(n_flat, H)`` over ``QTAB``, the query rows' block table."""
+    INTERVALS_IN_REGISTERS: tl.constexpr = NFUNC <= 7  # as the training forward (query_major_program)
     h = tl.program_id(1)
     seq, qb, q_first, nq = locate_block(QTAB, QOFFS, n_flat - 1 - tl.program_id(0), BLOCK_M)
     seq_start = tl.load(OFFS + seq).to(tl.int64)
@@ -46,6 +47,6 @@ def delta_forward_kernel(
             acc=tl.zeros((BLOCK_M, TILE_V), dtype=tl.float32), q=q, do=q, K=K, V=V, func=func, rule=rule, h=h,
             seq=seq, seq_start=seq_start, L=L, m0=m0, rows=rows, row_ok=row_ok, rows_g=qrows_g, alpha=alpha,
             BLOCK_FN=attend, NFUNC=NFUNC, MODE=MODE, HAS_TARGETS=HAS_TARGETS, INTERVALS_POW2=INTERVALS_POW2,
-            INTERVALS_IN_REGISTERS=INTERVALS_IN_REGISTERS, FAST_SIGMOID=FAST_SIGMOID,
+            INTERVALS_IN_REGISTERS=INTERVALS_IN_REGISTERS, FAST_SIGMOID=FAST_SIGMOID, DOT_PRECISION=DOT_PRECISION,
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK, TILE_V=TILE_V)
         store_rows(OUT, qrows_g, row_ok, h, acc * out_scale, DIM_V, TILE_V)

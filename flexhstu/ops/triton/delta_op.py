@@ -8,7 +8,7 @@ from .args import jagged
 from .config import tiles
 from .delta import delta_forward_kernel
 from .limits import tile_dim
-from .op import Visibility, _attention_args, _interpreting, _last_dim_contiguous, _query_major_args
+from .op import Visibility, _attention_args, _interpreting, _last_dim_contiguous
 from .rules import MODE_CAUSAL, MODE_FIXED, MODE_FUNC
 from .tables import block_table
 
@@ -24,7 +24,7 @@ def delta_forward(delta_q, k, v, offs, q_offs, q_start, vis: Visibility, alpha: 
     tile = tiles(tile_dim(dqk), tile_dim(v.shape[2]), interpreting).forward
     qtab, nqb = block_table(q_offs, total_q, tile.block_m)
     delta_forward_kernel[(nqb, nheads)](
-        **_attention_args(delta_q, k, v, offs, vis, alpha, interpreting), **_query_major_args(vis), **tile.launch(),
+        **_attention_args(delta_q, k, v, offs, vis, alpha, interpreting), **tile.launch(),
         OUT=jagged(out), QOFFS=q_offs, QSTART=q_start, QTAB=qtab, n_flat=nqb, out_scale=out_scale,
     )
     return out
