@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU needs to check and measure, in one device call. Logs go to $OUT.
 # Usage (on the device machine, repo root): bash benchmarks/device_run.sh [stage ...]
-#   check    the GPU correctness suite (tests/gpu), outputs poisoned, float32 references
+#   check    the GPU correctness suite (tests/gpu), outputs poisoned, float32 references (CHECK_K=expr: a subset)
 #   compile  sm_90 compile of every kernel variant, registers and spills
 #   bench    the attention suite of benchmarks/RESULTS.md (flexhstu bench --suite)
 #   stu      the STU model step (flexhstu/bench_stu.py --suite), step time and peak memory
@@ -26,13 +26,16 @@ run() {  # run NAME SECONDS CMD...: one stage with its own time limit, its log u
 }
 for s in $stages; do
   case $s in
-    check) run check 240 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider ;;
+    check) run check 240 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider ${CHECK_K:+-k "$CHECK_K"} ;;
     compile) run compile 120 python3 benchmarks/compile_check.py ;;
     bench) run bench 200 python3 benchmarks/bench.py --json "$OUT/bench.json" ;;
     stu) run stu 220 python3 -m flexhstu.bench_stu --suite --dropout 0 --variants eager lean default \
            --json "$OUT/stu.json" ;;
     serving) run serving 200 python3 -m flexhstu.bench_serving --quick --json "$OUT/serving.json" ;;
-    seeds) run seeds 300 bash tools/run_seeds.sh --data .data/ml-100k.inter --root /tmp/seeds -j 14 ;;
+    seeds) OMP_NUM_THREADS=1 run seeds "${SEEDS_LIMIT:-300}" bash tools/run_seeds.sh --data .data/ml-100k.inter \
+             --root /tmp/seeds -j 14
+           python3 tools/models_table.py /tmp/seeds > "$OUT/seeds-table.md" 2>&1
+           tar czf "$OUT/seeds-runs.tgz" --exclude='*.pt' -C /tmp seeds ;;
     profile) run profile 200 python3 benchmarks/time_split.py ;;
     sweep) run sweep 240 python3 benchmarks/sweep.py ;;
     *) echo "unknown stage $s" ;;

@@ -6,7 +6,8 @@ forward + backward ``14 * pairs * D``. SDPA runs causal on padded ``(B, H, S, D)
 and is credited with its causal pairs.
 
     flexhstu bench --suite                         # the configurations of RESULTS.md
-    flexhstu bench --batch 8 --seq 4096 --mask sla --k1 256 --k2 32   # your own shape
+    flexhstu bench --batch 8 --seq 4096 --mask sla --sla-k1 256 --sla-k2 32   # your own shape
+    flexhstu bench --model-step --suite            # the STU stack's step (flexhstu/bench_stu.py)
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from . import Kernel, hstu_mha, masks
+from .cli.common import Parser
 from .jagged import offsets_from_lengths
 
 
@@ -198,7 +200,15 @@ def table(rows: list[Row]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="flexhstu bench", description=__doc__.split("\n\n")[0])
+    argv = list(argv) if argv is not None else None
+    if argv is not None and "--model-step" in argv:
+        from . import bench_stu
+
+        argv.remove("--model-step")
+        return bench_stu.main(argv)
+    p = Parser(prog="flexhstu bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-step", action="store_true",
+                   help="time the STU stack's forward+backward instead (options: flexhstu bench --model-step --help)")
     p.add_argument("--suite", action="store_true", help="run the configurations recorded in benchmarks/RESULTS.md")
     p.add_argument("--only", default="", help="with --suite: comma-separated name prefixes to keep")
     p.add_argument("--batch", type=int, default=4)
@@ -206,22 +216,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--mask", default="causal", choices=["causal", "targets", "sla", "sla5", "onerank"])
-    p.add_argument("--k1", type=int, default=256)
-    p.add_argument("--k2", type=int, default=32)
+    p.add_argument("--sla-k1", type=int, default=256, help="sla: local causal window (default 256)")
+    p.add_argument("--sla-k2", type=int, default=32, help="sla: global prefix (default 32)")
     p.add_argument("--targets", type=int, default=0)
     p.add_argument("--group-size", type=int, default=12)
     p.add_argument("--json", default="", help="also write the rows as JSON here")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("flexhstu bench needs a CUDA GPU")
+        p.error("--suite / a custom shape: expected a CUDA GPU, found none (try --model-step --device cpu)")
     if a.suite:
         cases = suite()
         if a.only:
             keep = tuple(x.strip() for x in a.only.split(","))
             cases = [c for c in cases if c.name.startswith(keep)]
     else:
-        cases = [Case(f"custom {a.mask}", [a.seq] * a.batch, heads=a.heads, dim=a.dim, mask=a.mask, k1=a.k1, k2=a.k2,
-                      targets=a.targets, group=a.group_size)]
+        cases = [Case(f"custom {a.mask}", [a.seq] * a.batch, heads=a.heads, dim=a.dim, mask=a.mask, k1=a.sla_k1,
+                      k2=a.sla_k2, targets=a.targets, group=a.group_size)]
     rows = []
     for c in cases:
         rows.append(run_case(c))

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import flexhstu.cli.main as cli_main
 from flexhstu.cli.common import UserError
@@ -77,3 +78,17 @@ def test_a_bug_outside_input_validation_keeps_its_traceback(tmp_path, monkeypatc
     monkeypatch.setattr(cli_main, "hstu_mha", broken)
     with pytest.raises(ValueError, match="a bug in the kernel"):
         cli_main.main(["demo", "--out", str(tmp_path)])
+
+
+def test_bench_without_a_gpu_is_one_line_and_the_model_step_runs_on_the_cpu(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this checks the CPU-only answer")
+    with pytest.raises(SystemExit) as e:
+        cli_main.main(["bench"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["flexhstu bench: error: --suite / a custom shape: expected a CUDA GPU, found none "
+                   "(try --model-step --device cpu)"]
+    assert cli_main.main(["bench", "--model-step", "--device", "cpu", "--layers", "1", "--dim", "32", "--heads", "2",
+                 "--head-dim", "16", "--batch", "2", "--seq", "16", "--variants", "eager"]) == 0
+    assert "| causal fixed B2 S16 | eager |" in capsys.readouterr().out
