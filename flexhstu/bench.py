@@ -12,7 +12,6 @@ and is credited with its causal pairs.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import time
@@ -185,7 +184,8 @@ def table(rows: list[Row]) -> str:
         fr = r.sdpa_fwd_ms / r.fwd_ms if not math.isnan(r.sdpa_fwd_ms) else float("nan")
         br = r.sdpa_fwdbwd_ms / r.fwdbwd_ms if not math.isnan(r.sdpa_fwdbwd_ms) else float("nan")
         lines.append(
-            f"| {r.name} | {r.nfunc} | {r.pairs / 1e6:.1f} | {r.first_call_s:.1f} | {r.fwd_ms:.3f} | {r.fwd_tflops:.0f} "
+            f"| {r.name} | {r.nfunc} | {r.pairs / 1e6:.1f} | {r.first_call_s:.1f} "
+            f"| {r.fwd_ms:.3f} | {r.fwd_tflops:.0f} "
             f"| {r.fwdbwd_ms:.3f} | {r.fwdbwd_tflops:.0f} | {r.sdpa_fwd_ms:.3f} | {r.sdpa_fwdbwd_ms:.3f} "
             f"| {fr:.2f} | {br:.2f} | {r.peak_mem_ratio:.2f} |"
         )

@@ -20,7 +20,7 @@ from ..jagged import (
 )
 from ..masks.rules import FixedRule
 from .capability import triton_unsupported_reason
-from .hstu_mha import _check_func_alone, _check_same_device, _checked_rule
+from .hstu_mha import _check_func_alone, _check_qkv, _check_same_device, _checked_rule
 from .kernel import Kernel
 from .pytorch.delta import pytorch_delta_hstu_mha
 
@@ -89,7 +89,7 @@ def delta_hstu_mha(
     Raises RuntimeError when a gradient could be asked for (grad mode on and an
     input requiring grad): the op has no backward.
     """
-    _check_tensors(delta_q, k, v)
+    _check_qkv(delta_q, k, v, q_name="delta_q")
     _check_forward_only(delta_q, k, v)
     check_offsets_meta(seq_offsets)
     batch = seq_offsets.numel() - 1
@@ -122,24 +122,6 @@ def delta_hstu_mha(
     return pytorch_delta_hstu_mha(delta_q, k, v, seq_offsets, q_offsets, q_start, mask, alpha=alpha,
                                   scaling_seqlen=scaling, max_seq_len=max_seq_len)
 
-
-def _check_tensors(delta_q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    for name, x in (("delta_q", delta_q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor):
-            raise bad_type(name, "a torch.Tensor", type(x).__name__)
-        if x.dim() != 3:
-            raise bad_value(name, "a 3-D jagged tensor (total, H, D)", f"shape {tuple(x.shape)}")
-        if x.dtype not in _FLOAT_DTYPES:
-            raise bad_type(name, "float16, bfloat16, float32 or float64", x.dtype)
-    if v.shape[0] != k.shape[0]:
-        raise bad_value("v.shape[0]", f"the rows of k ({k.shape[0]})", v.shape[0])
-    for name, x in (("k", k), ("v", v)):
-        if x.shape[1] != delta_q.shape[1]:
-            raise bad_value(f"{name}.shape[1] (heads)", f"the heads of delta_q ({delta_q.shape[1]})", x.shape[1])
-        if x.dtype != delta_q.dtype:
-            raise bad_type(f"{name}.dtype", f"the dtype of delta_q ({delta_q.dtype})", x.dtype)
-    if k.shape[2] != delta_q.shape[2]:
-        raise bad_value("k.shape[2] (Dqk)", f"the head dim of delta_q ({delta_q.shape[2]})", k.shape[2])
 
 
 def _check_forward_only(*xs: torch.Tensor) -> None:

@@ -132,23 +132,26 @@ def _checked_call(
     return _Call(q, k, v, seq_offsets, mask, alpha, scaling, attn_scale, max_seq_len, rate)
 
 
-def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    for name, x in (("q", q), ("k", k), ("v", v)):
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_name: str = "q") -> None:
+    """Types, ranks, dtypes, heads and head dims of the attention inputs. With ``q_name="q"`` (training) k
+    and v have q's rows; otherwise (``delta_q``, serving) v has k's rows and q is a subset of them."""
+    for name, x in ((q_name, q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise bad_type(name, "a torch.Tensor", type(x).__name__)
         if x.dim() != 3:
             raise bad_value(name, "a 3-D jagged tensor (total, H, D)", f"shape {tuple(x.shape)}")
         if x.dtype not in _FLOAT_DTYPES:
             raise bad_type(name, "float16, bfloat16, float32 or float64", x.dtype)
+    rows_of, rows = (q_name, q.shape[0]) if q_name == "q" else ("k", k.shape[0])
     for name, x in (("k", k), ("v", v)):
-        if x.shape[0] != q.shape[0]:
-            raise bad_value(f"{name}.shape[0]", f"the rows of q ({q.shape[0]})", x.shape[0])
+        if x.shape[0] != rows and name != rows_of:
+            raise bad_value(f"{name}.shape[0]", f"the rows of {rows_of} ({rows})", x.shape[0])
         if x.shape[1] != q.shape[1]:
-            raise bad_value(f"{name}.shape[1] (heads)", f"the heads of q ({q.shape[1]})", x.shape[1])
+            raise bad_value(f"{name}.shape[1] (heads)", f"the heads of {q_name} ({q.shape[1]})", x.shape[1])
         if x.dtype != q.dtype:
-            raise bad_type(f"{name}.dtype", f"the dtype of q ({q.dtype})", x.dtype)
+            raise bad_type(f"{name}.dtype", f"the dtype of {q_name} ({q.dtype})", x.dtype)
     if k.shape[2] != q.shape[2]:
-        raise bad_value("k.shape[2] (Dqk)", f"the head dim of q ({q.shape[2]})", k.shape[2])
+        raise bad_value("k.shape[2] (Dqk)", f"the head dim of {q_name} ({q.shape[2]})", k.shape[2])
 
 
 def _check_same_device(q: torch.Tensor, **tensors: torch.Tensor | None) -> None:
