@@ -29,6 +29,21 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+def assert_matches_reference(*args, **kwargs) -> torch.Tensor:
+    """``hstu_mha(*args, **kwargs)`` on Triton equals the reference: output and dq, dk, dv (q, k, v are
+    ``args[2:5]``); returns the Triton output."""
+    q, k, v = args[2:5]
+    out = flexhstu.hstu_mha(*args, kernel=Kernel.TRITON, **kwargs)
+    ref = flexhstu.hstu_mha(*args, kernel=Kernel.PYTORCH, **kwargs)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    want = torch.autograd.grad(ref, (q, k, v), dout)
+    for g, w, what in zip(got, want, ("dq", "dk", "dv")):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, msg=lambda m, what=what: f"{what}: {m}")
+    return out
+
+
 @pytest.fixture(autouse=True)
 def _poisoned_outputs():
     with poison_outputs():
@@ -95,14 +110,7 @@ def test_forward_and_gradients_match_the_reference(name):
     kw = to_device(mask_case(name, offs.cpu(), lengths, heads))
     q, k, v = batch(lengths, heads)
     n = max(lengths)
-    out = flexhstu.hstu_mha(n, 0.3, q, k, v, offs, kernel=Kernel.TRITON, scaling_seqlen=50, **kw)
-    ref = flexhstu.hstu_mha(n, 0.3, q, k, v, offs, kernel=Kernel.PYTORCH, scaling_seqlen=50, **kw)
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
-    dout = torch.randn_like(out)
-    got = torch.autograd.grad(out, (q, k, v), dout)
-    want = torch.autograd.grad(ref, (q, k, v), dout)
-    for g, w, what in zip(got, want, ("dq", "dk", "dv")):
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, msg=lambda m, what=what: f"{what}: {m}")
+    assert_matches_reference(n, 0.3, q, k, v, offs, scaling_seqlen=50, **kw)
 
 
 def test_unsorted_overlapping_intervals_are_counted_once():
@@ -279,15 +287,8 @@ def test_head_dims_that_are_not_powers_of_two_match_the_reference(dqk, dv, mode)
     kw = {"causal": {}, "fixed": dict(num_targets=torch.tensor([5, 0, 4], device=DEVICE), max_attn_len=9,
                                       contextual_seq_len=2),
           "func": dict(attn_func=masks.sla(offs.cpu(), 9, 3).to(DEVICE))}[mode]
-    out = flexhstu.hstu_mha(37, None, q, k, v, offs, kernel=Kernel.TRITON, **kw)
-    ref = flexhstu.hstu_mha(37, None, q, k, v, offs, kernel=Kernel.PYTORCH, **kw)
+    out = assert_matches_reference(37, None, q, k, v, offs, **kw)
     assert out.shape == (sum(lengths), 1, dv)
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
-    dout = torch.randn_like(out)
-    got = torch.autograd.grad(out, (q, k, v), dout)
-    want = torch.autograd.grad(ref, (q, k, v), dout)
-    for g, w, what in zip(got, want, ("dq", "dk", "dv")):
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, msg=lambda m, what=what: f"{what}: {m}")
 
 
 def test_head_dim_above_the_limit_is_rejected_naming_the_argument():
