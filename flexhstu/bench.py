@@ -1,11 +1,20 @@
-"""Benchmark: hstu_mha (Triton) against PyTorch SDPA (softmax, flash) on the same shapes.
+"""Benchmark: hstu_mha (Triton) against FlexAttention and PyTorch SDPA (both softmax) on the same shapes.
 
-Times are medians of ``triton.testing.do_bench`` (CUDA events) after warm-up.
-TFLOP/s count visible pairs exactly from the mask: forward ``4 * pairs * D``,
-forward + backward ``14 * pairs * D``. SDPA runs causal on padded ``(B, H, S, D)``
-and is credited with its causal pairs.
+Every time is the median of ``--repeats`` repeats, each a ``triton.testing.do_bench`` median (CUDA
+events); the spread is ``(max - min) / median`` of the repeats. Two timings per call:
 
-    flexhstu bench --suite                         # the configurations of RESULTS.md
+* *eager*: what a training loop sees without CUDA graphs (host work included when the GPU waits for it);
+* *graph*: replay of the call captured in a CUDA graph, i.e. device time only. The efficiency
+  figures use these, so host cost (reported apart) does not hide kernel time.
+
+TFLOP/s count visible pairs exactly (``masks.count_visible``): forward ``4 * pairs * D``, forward +
+backward ``14 * pairs * D``. SDPA runs causal on padded ``(B, H, S, D)`` and is credited with its
+causal pairs. FlexAttention gets the same mask through a ``mask_mod`` (the causal rule in closed
+form, else reading the func), its ``BlockMask`` built once outside the timed region, and
+``torch.compile(flex_attention)`` (compile time outside the timed region). ``eff / C`` is a
+configuration's effective TFLOP/s over causal C's in the same run.
+
+    flexhstu bench --suite                         # the configurations of benchmarks/RESULTS.md
     flexhstu bench --batch 8 --seq 4096 --mask sla --sla-k1 256 --sla-k2 32   # your own shape
     flexhstu bench --model-step --suite            # the STU stack's step (flexhstu/bench_stu.py)
 """
@@ -14,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -23,6 +33,8 @@ from . import Kernel, hstu_mha, masks
 from .cli.common import Parser
 from .jagged import offsets_from_lengths
 
+MASKS = ("causal", "targets", "window", "sla", "onerank", "random")
+
 
 @dataclass
 class Case:
@@ -30,14 +42,24 @@ class Case:
     lengths: list[int]
     heads: int = 4
     dim: int = 128
-    mask: str = "causal"  # causal | targets | sla | sla5 | onerank
+    mask: str = "causal"  # one of MASKS
+    nfunc: int | None = None  # widen the func to this width
     k1: int = 256
     k2: int = 32
+    window: int = 0
     targets: int = 0
     group: int = 12
-    memory: bool = False
+    density: float = 0.1  # random: expected fraction of a row's keys
     sdpa: bool = True
-    graph: bool = True
+    flex: bool = True
+
+
+@dataclass
+class Timing:
+    """Median over repeats (ms) and the spread of the repeats, ``(max - min) / median``."""
+
+    ms: float = float("nan")
+    spread: float = float("nan")
 
 
 @dataclass
@@ -45,158 +67,224 @@ class Row:
     name: str
     nfunc: int
     pairs: int
-    first_call_s: float
-    fwd_ms: float
-    fwdbwd_ms: float
-    fwd_tflops: float
-    fwdbwd_tflops: float
-    sdpa_fwd_ms: float = float("nan")
-    sdpa_fwdbwd_ms: float = float("nan")
-    sdpa_fwd_tflops: float = float("nan")
-    sdpa_fwdbwd_tflops: float = float("nan")
-    peak_mem_ratio: float = float("nan")
-    graph_fwdbwd_ms: float = float("nan")
-    sdpa_graph_fwdbwd_ms: float = float("nan")
-    extra: dict = field(default_factory=dict)
+    dim: int
+    first_call_s: float = float("nan")
+    ours: dict[str, Timing] = field(default_factory=dict)  # eager_fwd, eager_fb, graph_fwd, graph_fb
+    sdpa: dict[str, Timing] = field(default_factory=dict)  # eager_fwd, eager_fb
+    flex: dict[str, Timing] = field(default_factory=dict)  # eager_fwd, eager_fb
+    sdpa_pairs: int = 0
+    flex_compile_s: float = float("nan")
+
+    def tflops(self, ms: float, fwd: bool, pairs: int | None = None) -> float:
+        return (4 if fwd else 14) * (pairs or self.pairs) * self.dim / ms / 1e9
 
 
 def suite() -> list[Case]:
-    g = torch.Generator().manual_seed(0)
-    jag = torch.randint(256, 4097, (64,), generator=g).tolist()
+    s, w = [8192], 256
     return [
-        Case("A causal B32 S1024 H4", [1024] * 32),
-        Case("B causal B16 S2048 H8", [2048] * 16, heads=8),
-        Case("C causal B4 S8192 H4", [8192] * 4, memory=True),
-        Case("C targets 256 (fixed)", [8192] * 4, mask="targets", targets=256),
-        Case("C SLA 256/32 NFUNC3", [8192] * 4, mask="sla"),
-        Case("C SLA 256/32 NFUNC5", [8192] * 4, mask="sla5"),
-        Case("OneRank B4 7424+64x12", [7424 + 64 * 12] * 4, mask="onerank", targets=64 * 12),
-        Case("J jagged B64 256..4096", jag, memory=True),
-        Case("L SLA one seq 131072", [131072], mask="sla", sdpa=False),
+        Case("A causal B32 S1024", [1024] * 32, flex=False),
+        Case("B causal B16 S2048 H8", [2048] * 16, heads=8, flex=False),
+        Case("C causal B4 S8192", s * 4),
+        Case("C targets 256", s * 4, mask="targets", targets=256, flex=False),
+        Case("W window 256 B32", s * 32, mask="window", window=w),
+        Case("W+T window 256 targets 256 B32", s * 32, mask="window", window=w, targets=256),
+        Case("S3 SLA 256/32 B32", s * 32, mask="sla"),
+        Case("S5 SLA 256/32 NFUNC5 B32", s * 32, mask="sla", nfunc=5),
+        Case("O OneRank B16 7424+64x12", [7424 + 64 * 12] * 16, mask="onerank", targets=64 * 12),
+        Case("L SLA one seq 131072", [131072], mask="sla", sdpa=False, flex=False),
+        Case("R random NFUNC5 per head 10% B8", s * 8, mask="random", nfunc=5),
     ]
 
 
-def _mask_kwargs(case: Case, offs: torch.Tensor, total: int) -> tuple[dict, torch.Tensor]:
-    """hstu_mha keyword arguments, and a func with the same visibility for counting pairs."""
+def random_func(offs: torch.Tensor, lengths: list[int], heads: int, density: float, seed: int = 0) -> torch.Tensor:
+    """``(heads, 5, total)`` int32: per head and row, three intervals of random place and length that
+    together cover about ``density`` of the row's keys (interval 0 starts at 0, as the format says)."""
+    g = torch.Generator().manual_seed(seed)
+    length = torch.cat([torch.full((n,), n) for n in lengths]).float()
+    total = len(length)
+    span = (2 * density / 3) * length  # each of three intervals: uniform length in [0, span), mean span / 2
+    end0 = torch.rand(heads, total, generator=g) * span
+    starts = torch.rand(heads, 2, total, generator=g) * length
+    ends = starts + torch.rand(heads, 2, total, generator=g) * span
+    rows = [end0, starts[:, 0], ends[:, 0], starts[:, 1], ends[:, 1]]
+    return torch.stack(rows, 1).to(torch.int32).to(offs.device)
+
+
+def mask_for(case: Case, offs: torch.Tensor) -> tuple[dict, torch.Tensor]:
+    """hstu_mha keyword arguments, and a func with the same visibility (counts pairs, feeds FlexAttention)."""
+    total = sum(case.lengths)
     nt = torch.full((len(case.lengths),), case.targets, dtype=torch.int64, device=offs.device)
+    targets = nt if case.targets else None
     if case.mask == "causal":
         return {}, masks.causal(offs, total=total)
-    if case.mask == "targets":
-        return {"num_targets": nt}, masks.fixed(offs, num_targets=nt, total=total)
-    if case.mask in ("sla", "sla5"):
-        func = masks.sla(offs, case.k1, case.k2, total=total, nfunc=5 if case.mask == "sla5" else None)
-        return {"attn_func": func}, func
-    if case.mask == "onerank":
+    if case.mask in ("targets", "window"):
+        kw = dict(num_targets=targets, max_attn_len=case.window)
+        return kw, masks.fixed(offs, total=total, **kw)
+    if case.mask == "sla":
+        func = masks.sla(offs, case.k1, case.k2, total=total, nfunc=case.nfunc)
+    elif case.mask == "onerank":
         func = masks.onerank(offs, nt, case.group, total=total)
-        return {"attn_func": func}, func
-    raise ValueError(f"mask: expected causal, targets, sla, sla5 or onerank, got {case.mask}")
+    elif case.mask == "random":
+        func = random_func(offs, case.lengths, case.heads, case.density)
+    else:
+        raise ValueError(f"mask: expected one of {MASKS}, got {case.mask!r}")
+    return {"attn_func": func}, func
 
 
-def _bench(fn) -> float:
+def _median_of(fn, repeats: int, warmup: int, rep: int) -> Timing:
     import triton
 
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    xs = [triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median") for _ in range(repeats)]
+    med = statistics.median(xs)
+    return Timing(med, (max(xs) - min(xs)) / med)
 
 
-def _graphed_ms(fn) -> float:
-    """Median replay time of ``fn`` captured in a CUDA graph (no host work per call); NaN if capture fails."""
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+def _captured(fn):
+    """``fn`` captured in a CUDA graph (warmed up on a side stream first); returns its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
             fn()
-        return _bench(graph.replay)
-    except Exception as e:  # reported as '-' in the table, with the reason on stdout
-        print(f"  graph capture failed: {type(e).__name__}: {e}")
-        return float("nan")
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
-def run_case(case: Case, device: str = "cuda", dtype=torch.bfloat16) -> Row:
+def _flex_mask_mod(case: Case, func: torch.Tensor, seq_len: int):
+    if case.mask == "causal":
+        return lambda b, h, q_idx, kv_idx: kv_idx <= q_idx
+    per_head = func.shape[0] > 1
+    nint = (func.shape[1] + 1) // 2
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        row = b * seq_len + q_idx
+        f = func[h if per_head else 0]
+        seen = kv_idx < f[0, row]
+        for j in range(1, nint):
+            seen = seen | ((kv_idx >= f[2 * j - 1, row]) & (kv_idx < f[2 * j, row]))
+        return seen
+
+    return mask_mod
+
+
+def _flex(case: Case, func: torch.Tensor, dtype, timing: dict, row: Row) -> None:
+    """FlexAttention (softmax) on the padded batch with the same mask; all sequences have one length."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    b, n, h, d = len(case.lengths), case.lengths[0], case.heads, case.dim
+    block_mask = create_block_mask(_flex_mask_mod(case, func, n), b, h if func.shape[0] > 1 else None, n, n,
+                                   device="cuda", _compile=True)  # compiled: no dense (B, H, N, N) mask
+    compiled = torch.compile(flex_attention)
+    qs, ks, vs = (torch.randn(b, h, n, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    ds = torch.randn(b, h, n, d, device="cuda", dtype=dtype)
+
+    def fwd():
+        return compiled(qs, ks, vs, block_mask=block_mask)
+
+    def fb():
+        return torch.autograd.grad(fwd(), (qs, ks, vs), ds)
+
+    t0 = time.perf_counter()
+    fb()
+    torch.cuda.synchronize()
+    row.flex_compile_s = time.perf_counter() - t0
+    row.flex = {"eager_fwd": timing(fwd), "eager_fb": timing(fb)}
+
+
+def _sdpa(case: Case, dtype, timing: dict, row: Row) -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    b, n, h, d = len(case.lengths), max(case.lengths), case.heads, case.dim
+    qs, ks, vs = (torch.randn(b, h, n, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    ds = torch.randn(b, h, n, d, device="cuda", dtype=dtype)
+
+    def fwd():
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
+            return torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+
+    def fb():
+        return torch.autograd.grad(fwd(), (qs, ks, vs), ds)
+
+    row.sdpa_pairs = b * h * n * (n + 1) // 2
+    row.sdpa = {"eager_fwd": timing(fwd), "eager_fb": timing(fb), "graph_fb": timing(_captured(fb))}
+
+
+def run_case(case: Case, *, repeats: int = 3, warmup: int = 10, rep: int = 40, flex: bool = True,
+             dtype=torch.bfloat16) -> Row:
     torch.manual_seed(0)
-    offs = offsets_from_lengths(case.lengths, device=device)
-    total, n = sum(case.lengths), max(case.lengths)
-    h, d = case.heads, case.dim
-    q, k, v = (torch.randn(total, h, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-    dout = torch.randn(total, h, d, device=device, dtype=dtype)
-    kw, func = _mask_kwargs(case, offs, total)
-    pairs = int(masks.count_visible(func, offs)[0]) * h
+    offs = offsets_from_lengths(case.lengths, device="cuda")
+    total, n, h, d = sum(case.lengths), max(case.lengths), case.heads, case.dim
+    q, k, v = (torch.randn(total, h, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    dout = torch.randn(total, h, d, device="cuda", dtype=dtype)
+    kw, func = mask_for(case, offs)
+    pairs = int(masks.count_visible(func, offs).sum()) * (h if func.shape[0] == 1 else 1)
+    row = Row(case.name, func.shape[1], pairs, d)
+
+    def timing(fn):
+        return _median_of(fn, repeats, warmup, rep)
 
     def fwd():
         return hstu_mha(n, None, q, k, v, offs, kernel=Kernel.TRITON, **kw)
 
-    def fwdbwd():
+    def fb():
         return torch.autograd.grad(fwd(), (q, k, v), dout)
 
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    fwdbwd()
+    fb()
     torch.cuda.synchronize()
-    first = time.perf_counter() - t0
-    fwd_ms, fb_ms = _bench(fwd), _bench(fwdbwd)
-    row = Row(case.name, func.shape[1], pairs, first, fwd_ms, fb_ms,
-              4 * pairs * d / fwd_ms / 1e9, 14 * pairs * d / fb_ms / 1e9)
-    if case.graph:
-        row.graph_fwdbwd_ms = _graphed_ms(fwdbwd)
-    if case.memory:
-        # Peak over the forward+backward, with q, k, v, dout already allocated, against the bytes of
-        # the eight tensors it must hold (q, k, v, out, dout, dq, dk, dv); everything else counts against us.
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        grads = fwdbwd()
-        torch.cuda.synchronize()
-        eight = 8 * q.numel() * q.element_size()
-        row.peak_mem_ratio = torch.cuda.max_memory_allocated() / eight
-        row.extra["peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
-        del grads
+    row.first_call_s = time.perf_counter() - t0
+    row.ours = {"eager_fwd": timing(fwd), "eager_fb": timing(fb), "graph_fwd": timing(_captured(fwd)),
+                "graph_fb": timing(_captured(fb))}
     if case.sdpa:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        b = len(case.lengths)
-        qs, ks, vs = (torch.randn(b, h, n, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-        ds = torch.randn(b, h, n, d, device=device, dtype=dtype)
-        sdpa_pairs = b * h * n * (n + 1) // 2
-
-        def sfwd():
-            with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
-                return torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
-
-        def sfb():
-            return torch.autograd.grad(sfwd(), (qs, ks, vs), ds)
-
-        row.sdpa_fwd_ms, row.sdpa_fwdbwd_ms = _bench(sfwd), _bench(sfb)
-        if case.graph:
-            row.sdpa_graph_fwdbwd_ms = _graphed_ms(sfb)
-        row.sdpa_fwd_tflops = 4 * sdpa_pairs * d / row.sdpa_fwd_ms / 1e9
-        row.sdpa_fwdbwd_tflops = 14 * sdpa_pairs * d / row.sdpa_fwdbwd_ms / 1e9
+        _sdpa(case, dtype, timing, row)
+    if flex and case.flex:
+        _flex(case, func, dtype, timing, row)
     return row
 
 
+def _f(x: float, fmt: str) -> str:
+    return "-" if x is None or math.isnan(x) else format(x, fmt)
+
+
 def table(rows: list[Row]) -> str:
-    head = ("| config | NFUNC | pairs (M) | first call s | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s "
-            "| SDPA fwd ms | SDPA fwd+bwd ms | fwd / SDPA | fwd+bwd / SDPA | peak mem ratio |")
-    lines = [head, "|" + "---|" * 13]
+    nan = Timing()
+    ref = next((r for r in rows if r.name.startswith("C causal")), None)
+    ref_fwd = ref.tflops(ref.ours["graph_fwd"].ms, True) if ref else float("nan")
+    ref_fb = ref.tflops(ref.ours["graph_fb"].ms, False) if ref else float("nan")
+    lines = [
+        "Ours (device time, CUDA-graph replay; spread = (max-min)/median of the repeats):", "",
+        "| config | NFUNC | pairs (M) | fwd ms | spread | fwd TFLOP/s | fwd eff / C | fwd+bwd ms | spread "
+        "| fwd+bwd TFLOP/s | fwd+bwd eff / C |",
+        "|" + "---|" * 11,
+    ]
     for r in rows:
-        fr = r.sdpa_fwd_ms / r.fwd_ms if not math.isnan(r.sdpa_fwd_ms) else float("nan")
-        br = r.sdpa_fwdbwd_ms / r.fwdbwd_ms if not math.isnan(r.sdpa_fwdbwd_ms) else float("nan")
+        gf, gb = r.ours["graph_fwd"], r.ours["graph_fb"]
+        tf, tb = r.tflops(gf.ms, True), r.tflops(gb.ms, False)
+        lines.append(f"| {r.name} | {r.nfunc} | {r.pairs / 1e6:.1f} | {gf.ms:.3f} | {gf.spread:.1%} | {tf:.0f} "
+                     f"| {_f(tf / ref_fwd, '.2f')} | {gb.ms:.3f} | {gb.spread:.1%} | {tb:.0f} "
+                     f"| {_f(tb / ref_fb, '.2f')} |")
+    lines += [
+        "", "Eager calls (host work included), and the softmax baselines on the same shapes and masks:", "",
+        "| config | first call s | fwd ms | fwd+bwd ms | spread | host-bound fwd+bwd (eager / graph) "
+        "| SDPA fwd ms | SDPA fwd+bwd ms | SDPA fwd+bwd graph ms | SDPA / ours fwd+bwd graph "
+        "| Flex fwd ms | Flex fwd+bwd ms | spread | Flex / ours fwd | Flex / ours fwd+bwd | Flex compile s |",
+        "|" + "---|" * 16,
+    ]
+    for r in rows:
+        o, s, fx = r.ours, r.sdpa, r.flex
+        ef, eb, gf, gb = o["eager_fwd"], o["eager_fb"], o["graph_fwd"], o["graph_fb"]
+        sg = s.get("graph_fb", nan).ms
+        ffw, ffb = fx.get("eager_fwd", nan), fx.get("eager_fb", nan)
         lines.append(
-            f"| {r.name} | {r.nfunc} | {r.pairs / 1e6:.1f} | {r.first_call_s:.1f} "
-            f"| {r.fwd_ms:.3f} | {r.fwd_tflops:.0f} "
-            f"| {r.fwdbwd_ms:.3f} | {r.fwdbwd_tflops:.0f} | {r.sdpa_fwd_ms:.3f} | {r.sdpa_fwdbwd_ms:.3f} "
-            f"| {fr:.2f} | {br:.2f} | {r.peak_mem_ratio:.2f} |"
-        )
-    graphed = [r for r in rows if not math.isnan(r.graph_fwdbwd_ms)]
-    if graphed:
-        lines += ["", "CUDA-graph replay of forward+backward (no host work per call):", "",
-                  "| config | fwd+bwd ms (graph) | SDPA fwd+bwd ms (graph) | ratio |", "|---|---|---|---|"]
-        for r in graphed:
-            lines.append(f"| {r.name} | {r.graph_fwdbwd_ms:.3f} | {r.sdpa_graph_fwdbwd_ms:.3f} "
-                         f"| {r.sdpa_graph_fwdbwd_ms / r.graph_fwdbwd_ms:.2f} |")
-    return "\n".join(lines).replace("| nan ", "| - ")
+            f"| {r.name} | {r.first_call_s:.1f} | {ef.ms:.3f} | {eb.ms:.3f} | {eb.spread:.1%} | {eb.ms / gb.ms:.2f} "
+            f"| {_f(s.get('eager_fwd', nan).ms, '.3f')} | {_f(s.get('eager_fb', nan).ms, '.3f')} | {_f(sg, '.3f')} "
+            f"| {_f(sg / gb.ms, '.2f')} | {_f(ffw.ms, '.3f')} | {_f(ffb.ms, '.3f')} | {_f(ffb.spread, '.1%')} "
+            f"| {_f(ffw.ms / gf.ms, '.2f')} | {_f(ffb.ms / gb.ms, '.2f')} | {_f(r.flex_compile_s, '.1f')} |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,17 +299,25 @@ def main(argv: list[str] | None = None) -> int:
                    help="time the STU stack's forward+backward instead (options: flexhstu bench --model-step --help)")
     p.add_argument("--suite", action="store_true", help="run the configurations recorded in benchmarks/RESULTS.md")
     p.add_argument("--only", default="", help="with --suite: comma-separated name prefixes to keep")
+    p.add_argument("--no-flex", action="store_true", help="skip FlexAttention (it compiles per configuration)")
+    p.add_argument("--repeats", type=int, default=3, help="do_bench medians per timing (their median is reported)")
+    p.add_argument("--warmup-ms", type=int, default=10)
+    p.add_argument("--rep-ms", type=int, default=40)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--mask", default="causal", choices=["causal", "targets", "sla", "sla5", "onerank"])
-    p.add_argument("--sla-k1", type=int, default=256, help="sla: local causal window (default 256)")
-    p.add_argument("--sla-k2", type=int, default=32, help="sla: global prefix (default 32)")
+    p.add_argument("--mask", default="causal", choices=MASKS)
+    p.add_argument("--nfunc", type=int, default=None, help="widen the func to this width")
+    p.add_argument("--sla-k1", type=int, default=256, help="sla: local causal window")
+    p.add_argument("--sla-k2", type=int, default=32, help="sla: global prefix")
+    p.add_argument("--window", type=int, default=256, help="max_attn_len of --mask window")
     p.add_argument("--targets", type=int, default=0)
     p.add_argument("--group-size", type=int, default=12)
-    p.add_argument("--json", default="", help="also write the rows as JSON here")
+    p.add_argument("--json", default="", help="also write the rows as JSON here (after every configuration)")
     a = p.parse_args(argv)
+    if a.repeats < 1:
+        p.error(f"--repeats: expected at least 1, got {a.repeats}")
     if not torch.cuda.is_available():
         p.error("--suite / a custom shape: expected a CUDA GPU, found none (try --model-step --device cpu)")
     if a.suite:
@@ -230,17 +326,21 @@ def main(argv: list[str] | None = None) -> int:
             keep = tuple(x.strip() for x in a.only.split(","))
             cases = [c for c in cases if c.name.startswith(keep)]
     else:
-        cases = [Case(f"custom {a.mask}", [a.seq] * a.batch, heads=a.heads, dim=a.dim, mask=a.mask, k1=a.sla_k1,
-                      k2=a.sla_k2, targets=a.targets, group=a.group_size)]
+        cases = [Case(f"custom {a.mask}", [a.seq] * a.batch, heads=a.heads, dim=a.dim, mask=a.mask, nfunc=a.nfunc,
+                      k1=a.sla_k1, k2=a.sla_k2, window=a.window if a.mask == "window" else 0, targets=a.targets,
+                      group=a.group_size)]
     rows = []
+    t_start = time.perf_counter()
     for c in cases:
-        rows.append(run_case(c))
-        print(f"{c.name}: fwd {rows[-1].fwd_ms:.3f} ms, fwd+bwd {rows[-1].fwdbwd_ms:.3f} ms", flush=True)
+        rows.append(run_case(c, repeats=a.repeats, warmup=a.warmup_ms, rep=a.rep_ms, flex=not a.no_flex))
+        r = rows[-1]
+        print(f"{c.name}: graph fwd {r.ours['graph_fwd'].ms:.3f} ms, fwd+bwd {r.ours['graph_fb'].ms:.3f} ms "
+              f"({time.perf_counter() - t_start:.0f} s)", flush=True)
+        if a.json:
+            with open(a.json, "w") as fh:
+                json.dump([asdict(x) for x in rows], fh, indent=1)
     print(f"\n{torch.cuda.get_device_name()} | torch {torch.__version__} | bf16\n")
     print(table(rows))
-    if a.json:
-        with open(a.json, "w") as fh:
-            json.dump([asdict(r) for r in rows], fh, indent=1)
     return 0
 
 

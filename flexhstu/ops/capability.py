@@ -48,10 +48,10 @@ def triton_unsupported_reason(
             return f"{name}: expected a head dim from {MIN_HEAD_DIM} to {MAX_HEAD_DIM} for Kernel.TRITON, got {d}"
     if dropout_pr > 0.0:
         return f"dropout_pr: expected 0.0 (or training=False) for Kernel.TRITON, which has no dropout, got {dropout_pr}"
-    if attn_scale is not None:
+    if attn_scale is not None and attn_scale.requires_grad:
         return (
-            "attn_scale: expected None for Kernel.TRITON (the kernels take no per-row scale yet; scaling_seqlen "
-            f"gives a uniform one), got a tensor of shape {tuple(attn_scale.shape)}"
+            "attn_scale: expected a tensor that does not require grad for Kernel.TRITON (the kernels give it no "
+            "gradient; Kernel.PYTORCH does), got requires_grad=True"
         )
     if isinstance(mask, FixedRule) and not mask.causal:
         used = {

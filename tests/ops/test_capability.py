@@ -34,7 +34,9 @@ UNSUPPORTED = {
     "non-causal-targets": (
         {}, dict(causal=False, num_targets=torch.tensor([1, 1])), r"causal: expected True with num_targets"
     ),
-    "attn-scale": ({}, dict(attn_scale=torch.full((8,), 0.5)), r"attn_scale: expected None for Kernel.TRITON"),
+    "attn-scale-grad": (
+        {}, dict(attn_scale=torch.full((8,), 0.5, requires_grad=True)), r"attn_scale: expected a tensor that does not"
+    ),
     "non-causal-window": ({}, dict(causal=False, max_attn_len=2), r"causal: expected True with max_attn_len"),
     "non-causal-contextual": (
         {}, dict(causal=False, contextual_seq_len=1), r"causal: expected True with contextual_seq_len"
@@ -73,6 +75,7 @@ def test_predicate_accepts_what_triton_runs(shape_kw, call_kw, monkeypatch):
     q, _, v = qkv(**shape_kw)
     assert triton_unsupported_reason(q, v, FixedRule(**call_kw), 0.0) is None
     assert triton_unsupported_reason(q, v, masks.causal(offsets_from(LENGTHS)), 0.0) is None
+    assert triton_unsupported_reason(q, v, FixedRule(**call_kw), 0.0, attn_scale=torch.full((8,), 0.5)) is None
 
 
 def test_predicate_wants_cuda_outside_the_interpreter(monkeypatch):

@@ -48,33 +48,38 @@ def dq_block(q, do, K, V, h, seq_start, L, n0, rows, alpha, BLOCK_N: tl.constexp
 @triton.jit
 def hstu_backward_dq_kernel(
     Q, K, V, DO, DQ, func, rule, OFFS, QTAB, n_flat,
-    alpha, dq_scale,  # dq_scale = alpha / scaling
+    alpha, dq_scale,  # dq_scale = alpha / scaling, or alpha with ATTN_SCALE
+    ATTN_SCALE, HAS_ATTN_SCALE: tl.constexpr,
     NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_TARGETS: tl.constexpr, INTERVALS_POW2: tl.constexpr,
     FAST_SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr, DIM_V: tl.constexpr,
     TILE_QK: tl.constexpr, TILE_V: tl.constexpr,
 ):
     """``Q``, ``K``, ``DQ``: ``Jagged (total, H, DIM_QK)``; ``V``, ``DO``: ``Jagged (total, H, DIM_V)``;
+    ``ATTN_SCALE``: float32 ``(total,)``, each query row's factor of dS (read when HAS_ATTN_SCALE);
     grid ``(n_flat, H)``."""
     query_major_program(
         Q=Q, DO=DO, K=K, V=V, OUT=DQ, func=func, rule=rule, OFFS=OFFS, QTAB=QTAB, n_flat=n_flat, alpha=alpha,
-        out_scale=dq_scale, BLOCK_FN=dq_block, WITH_DO=True, NFUNC=NFUNC, MODE=MODE, HAS_TARGETS=HAS_TARGETS,
-        INTERVALS_POW2=INTERVALS_POW2, FAST_SIGMOID=FAST_SIGMOID, DOT_PRECISION=DOT_PRECISION, BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK, TILE_V=TILE_V)
+        out_scale=dq_scale, ROW_SCALE=ATTN_SCALE, HAS_ROW_SCALE=HAS_ATTN_SCALE, BLOCK_FN=dq_block, WITH_DO=True,
+        NFUNC=NFUNC, MODE=MODE, HAS_TARGETS=HAS_TARGETS, INTERVALS_POW2=INTERVALS_POW2, FAST_SIGMOID=FAST_SIGMOID,
+        DOT_PRECISION=DOT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK,
+        TILE_V=TILE_V)
 
 
 @triton.jit
 def hstu_backward_dkdv_kernel(
     Q, K, V, DO, DK, DV, func, rule, OFFS, KTAB, BOUNDS, QLO, QHI,
     plan_head, n_qblocks, n_kblocks, n_split, chunk,
-    alpha, dk_scale, dv_scale,  # alpha / scaling, 1 / scaling
+    alpha, dk_scale, dv_scale,  # alpha / scaling, 1 / scaling (alpha, 1 with ATTN_SCALE)
+    ATTN_SCALE, HAS_ATTN_SCALE: tl.constexpr,
     NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_TARGETS: tl.constexpr, INTERVALS_POW2: tl.constexpr,
     FAST_SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr, DIM_V: tl.constexpr,
     TILE_QK: tl.constexpr, TILE_V: tl.constexpr,
 ):
     """One program per (key block, split, head); ``BOUNDS``, ``QLO``, ``QHI``: ``_plan_kernel``'s
-    output (unused under MODE_CAUSAL); ``plan_head`` is 1 when the plan has one row per head."""
+    output (unused under MODE_CAUSAL); ``plan_head`` is 1 when the plan has one row per head;
+    ``ATTN_SCALE``: float32 ``(total,)``, each query row's factor of A and dS (read when HAS_ATTN_SCALE)."""
     pid = tl.program_id(0)
     kflat = pid // n_split
     split = pid % n_split
@@ -136,6 +141,10 @@ def hstu_backward_dkdv_kernel(
                                               BLOCK_N=BLOCK_N, TRANS=True)
                     p = tl.where(vis, p, 0.0)
                     ds = tl.where(vis, ds, 0.0)
+                if HAS_ATTN_SCALE:
+                    row_scale = tl.load(ATTN_SCALE + rows_g, mask=row_ok, other=0.0)[None, :]
+                    p = p * row_scale
+                    ds = ds * row_scale
                 acc_v += tl.dot(p.to(do.dtype), do, input_precision=DOT_PRECISION)
                 acc_k += tl.dot(ds.to(q.dtype), q, input_precision=DOT_PRECISION)
             dk_ptrs = tile_ptrs(DK, cols_g, h, TILE_QK)

@@ -32,16 +32,19 @@ def attend(q, do, K, V, h, seq_start, L, n0, rows, alpha, BLOCK_N: tl.constexpr,
 @triton.jit
 def hstu_forward_kernel(
     Q, K, V, OUT, func, rule, OFFS, QTAB, n_flat,
-    alpha, out_scale,  # out_scale = 1 / scaling_seqlen
+    alpha, out_scale,  # out_scale = 1 / scaling_seqlen, or 1 with ATTN_SCALE
+    ATTN_SCALE, HAS_ATTN_SCALE: tl.constexpr,
     NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_TARGETS: tl.constexpr, INTERVALS_POW2: tl.constexpr,
     FAST_SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr, DIM_V: tl.constexpr,
     TILE_QK: tl.constexpr, TILE_V: tl.constexpr,
 ):
     """``Q``, ``K``: ``Jagged (total, H, DIM_QK)``; ``V``, ``OUT``: ``Jagged (total, H, DIM_V)``;
-    ``func``: ``Func``; ``rule``: ``FixedRule``; grid ``(n_flat, H)``."""
+    ``func``: ``Func``; ``rule``: ``FixedRule``; ``ATTN_SCALE``: float32 ``(total,)``, each output row's
+    factor (read when HAS_ATTN_SCALE); grid ``(n_flat, H)``."""
     query_major_program(
         Q=Q, DO=Q, K=K, V=V, OUT=OUT, func=func, rule=rule, OFFS=OFFS, QTAB=QTAB, n_flat=n_flat, alpha=alpha,
-        out_scale=out_scale, BLOCK_FN=attend, WITH_DO=False, NFUNC=NFUNC, MODE=MODE, HAS_TARGETS=HAS_TARGETS,
-        INTERVALS_POW2=INTERVALS_POW2, FAST_SIGMOID=FAST_SIGMOID, DOT_PRECISION=DOT_PRECISION, BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK, TILE_V=TILE_V)
+        out_scale=out_scale, ROW_SCALE=ATTN_SCALE, HAS_ROW_SCALE=HAS_ATTN_SCALE, BLOCK_FN=attend, WITH_DO=False,
+        NFUNC=NFUNC, MODE=MODE, HAS_TARGETS=HAS_TARGETS, INTERVALS_POW2=INTERVALS_POW2, FAST_SIGMOID=FAST_SIGMOID,
+        DOT_PRECISION=DOT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK,
+        TILE_V=TILE_V)

@@ -3,21 +3,18 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
-import triton
 
 from ..._errors import bad_value
-from .args import FixedRule, Func, jagged
+from .args import jagged
 from .backward import hstu_backward_dkdv_kernel, hstu_backward_dq_kernel
+from .block_plan import BlockPlan, Visibility
 from .config import tiles
 from .debug import poisoning
 from .forward import hstu_forward_kernel
 from .limits import MAX_HEAD_DIM, MIN_HEAD_DIM, head_dim_supported, tile_dim
-from .plan import _plan_kernel
 from .rules import BIG, MODE_CAUSAL, MODE_FIXED, MODE_FUNC
-from .tables import BlockTables
 
 _NEVER_SPLIT = int(BIG)
 """A chunk longer than any key block's query range (in query blocks)."""
@@ -25,39 +22,6 @@ _NEVER_SPLIT = int(BIG)
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@dataclass
-class Visibility:
-    """How the kernels learn visibility: a func tensor, closed-form causal, or the closed-form fixed rule."""
-
-    mode: int
-    func: torch.Tensor | None = None
-    num_targets: torch.Tensor | None = None
-    contextual: int = 0
-    window: int = 0
-    min_full: int = 0
-
-    def nfunc(self) -> int:
-        if self.mode == MODE_FUNC:
-            return self.func.shape[1]
-        return 1 if self.mode == MODE_CAUSAL else 5
-
-    def per_head(self) -> bool:
-        f = self.func
-        return f is not None and f.shape[0] > 1 and f.stride(0) != 0
-
-    def kernel_args(self, placeholder: torch.Tensor) -> dict:
-        """Mask arguments shared by every kernel: ``func``, ``rule`` and their constexprs. ``placeholder``
-        stands in for an absent func or num_targets (never read): no allocation per call."""
-        f = self.func
-        func = Func(placeholder, 0, 0, 0) if f is None else Func(f, f.stride(0) if self.per_head() else 0,
-                                                                  f.stride(1), f.stride(2))
-        nt = self.num_targets if self.num_targets is not None else placeholder
-        nfunc = self.nfunc()
-        return dict(func=func, rule=FixedRule(nt, self.contextual, self.window, self.min_full),
-                    NFUNC=nfunc, MODE=self.mode, HAS_TARGETS=self.num_targets is not None,
-                    INTERVALS_POW2=max(2, triton.next_power_of_2((nfunc + 1) // 2)))
 
 
 def _new_like(x: torch.Tensor, *shape: int) -> torch.Tensor:
@@ -86,8 +50,15 @@ def _attention_args(q, k, v, offs, vis: Visibility, alpha: float, interpreting: 
                 DOT_PRECISION=dot_precision(q.dtype), **vis.kernel_args(offs))
 
 
+def _scale_args(attn_scale: torch.Tensor | None, offs: torch.Tensor) -> dict:
+    """The per-row factor of A (attn_scale, float32 ``(total,)``) when given; ``offs`` is a never-read stand-in."""
+    return dict(ATTN_SCALE=offs if attn_scale is None else attn_scale, HAS_ATTN_SCALE=attn_scale is not None)
+
+
 def forward(q, k, v, offs, vis: Visibility, alpha: float, out_scale: float,
-            tables: BlockTables | None = None) -> torch.Tensor:
+            attn_scale: torch.Tensor | None = None, plan: BlockPlan | None = None) -> torch.Tensor:
+    """``out_scale`` scales every row; with ``attn_scale`` (float32 ``(total,)``) row ``t`` is scaled by
+    ``attn_scale[t]`` instead."""
     q, k, v = _last_dim_contiguous(q, k, v)
     total, nheads, dqk = q.shape
     out = _new_like(q, total, nheads, v.shape[2])
@@ -95,17 +66,18 @@ def forward(q, k, v, offs, vis: Visibility, alpha: float, out_scale: float,
         return out
     interpreting = _interpreting()
     tile = tiles(tile_dim(dqk), tile_dim(v.shape[2]), interpreting).forward
-    tables = tables if tables is not None else BlockTables(offs, total)
-    qtab, nqb = tables.table(tile.block_m)
+    plan = plan if plan is not None else BlockPlan(offs, total, vis)
+    qtab, nqb = plan.tables.table(tile.block_m)
     hstu_forward_kernel[(nqb, nheads)](
         **_attention_args(q, k, v, offs, vis, alpha, interpreting), **tile.launch(),
-        OUT=jagged(out), QTAB=qtab, n_flat=nqb, out_scale=out_scale,
+        **_scale_args(attn_scale, offs), OUT=jagged(out), QTAB=qtab, n_flat=nqb,
+        out_scale=1.0 if attn_scale is not None else out_scale,
     )
     return out
 
 
 def backward(dout, q, k, v, offs, vis: Visibility, alpha: float, out_scale: float, max_seq_len: int,
-             tables: BlockTables | None = None):
+             attn_scale: torch.Tensor | None = None, plan: BlockPlan | None = None):
     dout, q, k, v = _last_dim_contiguous(dout, q, k, v)
     total, nheads, dqk = q.shape
     dq = _new_like(q)
@@ -114,15 +86,16 @@ def backward(dout, q, k, v, offs, vis: Visibility, alpha: float, out_scale: floa
     interpreting = _interpreting()
     _, tq, tkv = tiles(tile_dim(dqk), tile_dim(v.shape[2]), interpreting)
     args = _attention_args(q, k, v, offs, vis, alpha, interpreting)
-    tables = tables if tables is not None else BlockTables(offs, total)
-    qtab, nqb = tables.table(tq.block_m)
+    args.update(_scale_args(attn_scale, offs))
+    scale = 1.0 if attn_scale is not None else out_scale  # attn_scale replaces out_scale, row by row
+    plan = plan if plan is not None else BlockPlan(offs, total, vis)
+    qtab, nqb = plan.tables.table(tq.block_m)
     hstu_backward_dq_kernel[(nqb, nheads)](
         **args, **tq.launch(),
-        DO=jagged(dout), DQ=jagged(dq), QTAB=qtab, n_flat=nqb, dq_scale=alpha * out_scale,
+        DO=jagged(dout), DQ=jagged(dq), QTAB=qtab, n_flat=nqb, dq_scale=alpha * scale,
     )
     # Key-major pass: its query blocks (BLOCK_M) and key blocks (BLOCK_N) index the plan.
-    ptab, npb = tables.table(tkv.block_m)
-    ktab, nkb = tables.table(tkv.block_n)
+    km = plan.key_major(tkv)
     # Split a key block's query range when it is long: at most 8 chunks of at least `chunk` query blocks.
     # max_seq_len only sizes the split: the last chunk runs to the end of the range whatever its length,
     # and with one program per key block (n_split 1) no range is split, since only n_split > 1 zeroes
@@ -136,97 +109,113 @@ def backward(dout, q, k, v, offs, vis: Visibility, alpha: float, out_scale: floa
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     else:
         dk, dv = _new_like(k), _new_like(v)
-    per_head = vis.per_head()
-    nplan = nheads if per_head else 1
-    if vis.mode == MODE_CAUSAL:
-        bounds = qlo = qhi = ktab  # unused: the causal ranges are closed-form
-    else:
-        bounds = torch.empty(nplan, npb, 4, args["INTERVALS_POW2"], dtype=torch.int32, device=q.device)
-        qlo = torch.full((nplan, nkb), int(BIG), dtype=torch.int32, device=q.device)
-        qhi = torch.zeros((nplan, nkb), dtype=torch.int32, device=q.device)
-        _plan_kernel[(npb, nplan)](
-            **vis.kernel_args(offs), OFFS=offs, QTAB=ptab, BOUNDS=bounds, QLO=qlo, QHI=qhi, n_qblocks=npb,
-            n_kblocks=nkb, BLOCK_M=tkv.block_m, BLOCK_N=tkv.block_n, num_warps=4,
-        )
-    hstu_backward_dkdv_kernel[(nkb * n_split, nheads)](
+    hstu_backward_dkdv_kernel[(km.n_kblocks * n_split, nheads)](
         **args, **tkv.launch(),
-        DO=jagged(dout), DK=jagged(dk), DV=jagged(dv), KTAB=ktab, BOUNDS=bounds, QLO=qlo, QHI=qhi,
-        plan_head=1 if per_head else 0, n_qblocks=npb, n_kblocks=nkb, n_split=n_split, chunk=chunk,
-        dk_scale=alpha * out_scale, dv_scale=out_scale,
+        DO=jagged(dout), DK=jagged(dk), DV=jagged(dv), KTAB=km.ktab, BOUNDS=km.bounds, QLO=km.qlo, QHI=km.qhi,
+        plan_head=1 if vis.per_head() else 0, n_qblocks=km.n_qblocks, n_kblocks=km.n_kblocks, n_split=n_split,
+        chunk=chunk, dk_scale=alpha * scale, dv_scale=scale,
     )
     return dq, dk, dv
 
 
 @torch.library.custom_op("flexhstu::hstu_mha_fwd", mutates_args=())
 def hstu_mha_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offsets: torch.Tensor,
-                 func: torch.Tensor | None, num_targets: torch.Tensor | None, mode: int,
-                 contextual: int, window: int, min_full: int, alpha: float, out_scale: float,
+                 func: torch.Tensor | None, num_targets: torch.Tensor | None, attn_scale: torch.Tensor | None,
+                 mode: int, contextual: int, window: int, min_full: int, alpha: float, out_scale: float,
                  max_seq_len: int) -> torch.Tensor:
     vis = Visibility(mode, func, num_targets, contextual, window, min_full)
-    return forward(q, k, v, seq_offsets, vis, alpha, out_scale)
+    return forward(q, k, v, seq_offsets, vis, alpha, out_scale, attn_scale)
 
 
 @hstu_mha_fwd.register_fake
-def _(q, k, v, seq_offsets, func, num_targets, mode, contextual, window, min_full, alpha, out_scale, max_seq_len):
+def _(q, k, v, seq_offsets, func, num_targets, attn_scale, mode, contextual, window, min_full, alpha, out_scale,
+      max_seq_len):
     return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
 
 
 @torch.library.custom_op("flexhstu::hstu_mha_bwd", mutates_args=())
 def hstu_mha_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offsets: torch.Tensor,
-                 func: torch.Tensor | None, num_targets: torch.Tensor | None, mode: int,
-                 contextual: int, window: int, min_full: int, alpha: float, out_scale: float,
+                 func: torch.Tensor | None, num_targets: torch.Tensor | None, attn_scale: torch.Tensor | None,
+                 mode: int, contextual: int, window: int, min_full: int, alpha: float, out_scale: float,
                  max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     vis = Visibility(mode, func, num_targets, contextual, window, min_full)
-    return backward(dout, q, k, v, seq_offsets, vis, alpha, out_scale, max_seq_len)
+    return backward(dout, q, k, v, seq_offsets, vis, alpha, out_scale, max_seq_len, attn_scale)
 
 
 @hstu_mha_bwd.register_fake
-def _(dout, q, k, v, seq_offsets, func, num_targets, mode, contextual, window, min_full, alpha, out_scale, max_seq_len):
+def _(dout, q, k, v, seq_offsets, func, num_targets, attn_scale, mode, contextual, window, min_full, alpha,
+      out_scale, max_seq_len):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+_NO_GRADS = (None,) * 11  # seq_offsets .. max_seq_len
+
+
 def _setup_context(ctx, inputs, output):
-    q, k, v, seq_offsets, func, num_targets, *rest = inputs
-    ctx.save_for_backward(q, k, v, seq_offsets, func, num_targets)
+    q, k, v, seq_offsets, func, num_targets, attn_scale, *rest = inputs
+    ctx.save_for_backward(q, k, v, seq_offsets, func, num_targets, attn_scale)
     ctx.rest = rest
 
 
 def _backward(ctx, dout):
-    q, k, v, seq_offsets, func, num_targets = ctx.saved_tensors
-    dq, dk, dv = hstu_mha_bwd(dout, q, k, v, seq_offsets, func, num_targets, *ctx.rest)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+    dq, dk, dv = hstu_mha_bwd(dout, *ctx.saved_tensors, *ctx.rest)
+    return dq, dk, dv, *_NO_GRADS
 
 
 hstu_mha_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 class _HstuAttention(torch.autograd.Function):
-    """Eager path: the same forward/backward as the custom ops, without the op dispatch layer,
-    and with the block tables of the forward reused by the backward."""
+    """Eager path: the same forward/backward as the custom ops, without the op dispatch layer, with one
+    block plan (given, or built here) shared by the forward and the backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, offs, func, num_targets, mode, contextual, window, min_full, alpha, out_scale,
-                max_seq_len):
-        tables = BlockTables(offs, q.shape[0])
-        vis = Visibility(mode, func, num_targets, contextual, window, min_full)
-        out = forward(q, k, v, offs, vis, alpha, out_scale, tables)
-        ctx.save_for_backward(q, k, v, offs, func, num_targets)
-        ctx.rest = (vis, alpha, out_scale, max_seq_len)
-        ctx.tables = tables
+    def forward(ctx, q, k, v, offs, func, num_targets, attn_scale, plan, alpha, out_scale, max_seq_len):
+        out = forward(q, k, v, offs, plan.vis, alpha, out_scale, attn_scale, plan)
+        ctx.save_for_backward(q, k, v, offs, func, num_targets, attn_scale)  # the mask too: what backward reads
+        ctx.rest = (plan, alpha, out_scale, max_seq_len)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, offs, func, num_targets = ctx.saved_tensors
-        vis, alpha, out_scale, max_seq_len = ctx.rest
-        vis = Visibility(vis.mode, func, num_targets, vis.contextual, vis.window, vis.min_full)
-        dq, dk, dv = backward(dout, q, k, v, offs, vis, alpha, out_scale, max_seq_len, ctx.tables)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+        q, k, v, offs, _, _, attn_scale = ctx.saved_tensors
+        plan, alpha, out_scale, max_seq_len = ctx.rest
+        dq, dk, dv = backward(dout, q, k, v, offs, plan.vis, alpha, out_scale, max_seq_len, attn_scale, plan)
+        return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+def visibility(func=None, num_targets=None, causal_closed_form=False, contextual=0, window=0,
+               min_full=0) -> Visibility:
+    """The kernels' mask description from triton_hstu_mha's mask arguments (num_targets made contiguous)."""
+    if num_targets is not None:
+        num_targets = num_targets.contiguous()
+    if func is not None:
+        mode = MODE_FUNC
+    elif causal_closed_form:
+        mode = MODE_CAUSAL
+    else:
+        mode = MODE_FIXED
+    return Visibility(int(mode), func, num_targets, contextual, window, min_full)
+
+
+def _check_attn_scale(attn_scale: torch.Tensor, total: int, device: torch.device) -> None:
+    if not isinstance(attn_scale, torch.Tensor):
+        raise bad_value("attn_scale", "None or a float32 tensor of shape (total,)", type(attn_scale).__name__)
+    want = f"a contiguous float32 tensor of shape ({total},) on {device}"
+    got = f"{attn_scale.dtype} {tuple(attn_scale.shape)} on {attn_scale.device}" + (
+        "" if attn_scale.is_contiguous() else " (not contiguous)")
+    if (attn_scale.dtype != torch.float32 or tuple(attn_scale.shape) != (total,) or not attn_scale.is_contiguous()
+            or attn_scale.device != device):
+        raise bad_value("attn_scale", want, got)
+    if attn_scale.requires_grad:
+        raise bad_value("attn_scale", "a tensor that does not require grad (the kernels give no gradient for it)",
+                        "requires_grad=True")
 
 
 def triton_hstu_mha(q, k, v, seq_offsets, *, func=None, num_targets=None, causal_closed_form=False,
                     contextual: int = 0, window: int = 0, min_full: int = 0,
-                    alpha: float, out_scale: float, max_seq_len: int) -> torch.Tensor:
+                    alpha: float, out_scale: float, max_seq_len: int,
+                    attn_scale: torch.Tensor | None = None, plan=None) -> torch.Tensor:
     """Dispatch to the custom op. ``func`` given: the func decides; else causal or the fixed rule in closed form.
 
     q, k: ``(total, H, Dqk)``, v: ``(total, H, Dv)``, any strides (a non-unit last stride costs a copy);
@@ -238,23 +227,31 @@ def triton_hstu_mha(q, k, v, seq_offsets, *, func=None, num_targets=None, causal
     row that the mask hides from a query row still enters that row's products as ``0 * x`` when both
     share a tile, so a NaN or Inf there may reach rows of the same sequence that do not see it.
 
+    ``attn_scale``: None, or float32 ``(total,)``: row ``t`` of A is scaled by ``attn_scale[t]`` instead of
+    ``out_scale`` (``A = silu(S) * M * attn_scale[row]``, docs/design.md, section 10); no gradient flows to it.
+
+    ``plan``: an ``AttnPlan`` from ``flexhstu.ops.plan.build_plan`` for these offsets and this mask, reused
+    across calls (layers); checked against the call (host metadata only). Without it a plan is built per call.
+    Under torch.compile the op builds its plan inside the graph (the plan is checked, then unused).
+
     ``max_seq_len`` is only a tuning hint (it sizes the split of long key-major ranges): any value,
     0 or smaller than the longest sequence included, gives the same result.
     """
     for name, d in (("q.shape[2] (Dqk)", q.shape[2]), ("v.shape[2] (Dv)", v.shape[2])):
         if not head_dim_supported(d):
             raise bad_value(name, f"a head dim from {MIN_HEAD_DIM} to {MAX_HEAD_DIM} for the Triton kernels", d)
-    # The kernels read offsets and num_targets as plain int64 / int arrays (no strides): made so here, once.
-    offs = seq_offsets.to(torch.int64).contiguous()
-    if num_targets is not None:
-        num_targets = num_targets.contiguous()
-    if func is not None:
-        mode = MODE_FUNC
-    elif causal_closed_form:
-        mode = MODE_CAUSAL
+    if attn_scale is not None:
+        _check_attn_scale(attn_scale, q.shape[0], q.device)
+    vis = visibility(func, num_targets, causal_closed_form, contextual, window, min_full)
+    if plan is not None:
+        plan.check_call(seq_offsets, q.shape[0], vis)
+        block = plan.block
     else:
-        mode = MODE_FIXED
-    args = (q, k, v, offs, func, num_targets, int(mode), contextual, window, min_full, alpha, out_scale, max_seq_len)
+        # The kernels read offsets and num_targets as plain int64 / int arrays (no strides): made so here, once.
+        block = BlockPlan(seq_offsets.to(torch.int64).contiguous(), q.shape[0], vis)
+    offs, vis = block.offs, block.vis
     if torch.compiler.is_compiling():
-        return hstu_mha_fwd(*args)
-    return _HstuAttention.apply(*args)
+        return hstu_mha_fwd(q, k, v, offs, vis.func, vis.num_targets, attn_scale, vis.mode, vis.contextual,
+                            vis.window, vis.min_full, alpha, out_scale, max_seq_len)
+    return _HstuAttention.apply(q, k, v, offs, vis.func, vis.num_targets, attn_scale, block, alpha, out_scale,
+                                max_seq_len)

@@ -94,10 +94,12 @@ def query_major_program(Q, DO, K, V, OUT, func, rule, OFFS, QTAB, n_flat, alpha,
                         INTERVALS_POW2: tl.constexpr,
                         FAST_SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr,
-                        DIM_QK: tl.constexpr, DIM_V: tl.constexpr, TILE_QK: tl.constexpr, TILE_V: tl.constexpr):
+                        DIM_QK: tl.constexpr, DIM_V: tl.constexpr, TILE_QK: tl.constexpr, TILE_V: tl.constexpr,
+                        ROW_SCALE=None, HAS_ROW_SCALE: tl.constexpr = False):
     """One query-major program: locate its query block (last flat blocks first: under causal-like masks
     they carry the most key blocks), load ``q`` (and ``do`` when WITH_DO), walk, store
-    ``out_scale * acc`` into ``OUT``: ``(total, H, DIM_QK)`` (dQ) when WITH_DO, else ``(total, H, DIM_V)``."""
+    ``out_scale * acc`` into ``OUT``: ``(total, H, DIM_QK)`` (dQ) when WITH_DO, else ``(total, H, DIM_V)``;
+    each row also times ``ROW_SCALE[row]`` (float32 ``(total,)``) when HAS_ROW_SCALE."""
     OUT_DIM: tl.constexpr = DIM_QK if WITH_DO else DIM_V
     # Register-resident intervals for funcs of up to four intervals (load_row_intervals holds four).
     INTERVALS_IN_REGISTERS: tl.constexpr = NFUNC <= 7
@@ -119,4 +121,7 @@ def query_major_program(Q, DO, K, V, OUT, func, rule, OFFS, QTAB, n_flat, alpha,
             INTERVALS_IN_REGISTERS=INTERVALS_IN_REGISTERS, FAST_SIGMOID=FAST_SIGMOID, DOT_PRECISION=DOT_PRECISION,
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK,
             TILE_V=TILE_V)
-        store_rows(OUT, rows_g, row_ok, h, acc * out_scale, OUT_DIM, OUT_TILE)
+        acc = acc * out_scale
+        if HAS_ROW_SCALE:
+            acc = acc * tl.load(ROW_SCALE + rows_g, mask=row_ok, other=0.0)[:, None]
+        store_rows(OUT, rows_g, row_ok, h, acc, OUT_DIM, OUT_TILE)

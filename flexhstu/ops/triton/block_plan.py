@@ -1,0 +1,96 @@
+"""The per-batch block plan of the Triton kernels: block tables and the key-major plan, built once.
+
+A plan depends on the mask and the offsets only (docs/design.md, section 8), so every layer of a
+model, forward and backward, can share it. The parts that depend on tile sizes (which follow the
+head dims) are built on first use for each tile and cached in the object.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from .args import FixedRule, Func
+from .config import Tile
+from .plan import _plan_kernel
+from .rules import BIG, MODE_CAUSAL, MODE_FUNC
+from .tables import BlockTables
+
+
+@dataclass
+class Visibility:
+    """How the kernels learn visibility: a func tensor, closed-form causal, or the closed-form fixed rule."""
+
+    mode: int
+    func: torch.Tensor | None = None
+    num_targets: torch.Tensor | None = None
+    contextual: int = 0
+    window: int = 0
+    min_full: int = 0
+
+    def nfunc(self) -> int:
+        if self.mode == MODE_FUNC:
+            return self.func.shape[1]
+        return 1 if self.mode == MODE_CAUSAL else 5
+
+    def per_head(self) -> bool:
+        f = self.func
+        return f is not None and f.shape[0] > 1 and f.stride(0) != 0
+
+    def intervals_pow2(self) -> int:
+        return max(2, triton.next_power_of_2((self.nfunc() + 1) // 2))
+
+    def kernel_args(self, placeholder: torch.Tensor) -> dict:
+        """Mask arguments shared by every kernel: ``func``, ``rule`` and their constexprs. ``placeholder``
+        stands in for an absent func or num_targets (never read): no allocation per call."""
+        f = self.func
+        func = Func(placeholder, 0, 0, 0) if f is None else Func(f, f.stride(0) if self.per_head() else 0,
+                                                                  f.stride(1), f.stride(2))
+        nt = self.num_targets if self.num_targets is not None else placeholder
+        return dict(func=func, rule=FixedRule(nt, self.contextual, self.window, self.min_full),
+                    NFUNC=self.nfunc(), MODE=self.mode, HAS_TARGETS=self.num_targets is not None,
+                    INTERVALS_POW2=self.intervals_pow2())
+
+
+class KeyMajorPlan:
+    """What the dK/dV kernel reads: per query block its hull/core vectors ``bounds (Hplan, n_qblocks, 4,
+    INTERVALS_POW2)``, per key block the first (``qlo``) and past-the-last (``qhi``) query block that sees
+    it ``(Hplan, n_kblocks)``; ``Hplan`` is H for a per-head func, else 1. Under MODE_CAUSAL the ranges are
+    closed-form and the three are placeholders."""
+
+    def __init__(self, offs: torch.Tensor, vis: Visibility, tables: BlockTables, tile: Tile, nplan: int):
+        ptab, npb = tables.table(tile.block_m)
+        ktab, nkb = tables.table(tile.block_n)
+        self.ktab, self.n_qblocks, self.n_kblocks = ktab, npb, nkb
+        if vis.mode == MODE_CAUSAL:
+            self.bounds = self.qlo = self.qhi = ktab
+            return
+        dev = offs.device
+        self.bounds = torch.empty(nplan, npb, 4, vis.intervals_pow2(), dtype=torch.int32, device=dev)
+        self.qlo = torch.full((nplan, nkb), int(BIG), dtype=torch.int32, device=dev)
+        self.qhi = torch.zeros((nplan, nkb), dtype=torch.int32, device=dev)
+        _plan_kernel[(npb, nplan)](
+            **vis.kernel_args(offs), OFFS=offs, QTAB=ptab, BOUNDS=self.bounds, QLO=self.qlo, QHI=self.qhi,
+            n_qblocks=npb, n_kblocks=nkb, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, num_warps=4,
+        )
+
+
+class BlockPlan:
+    """Block tables and key-major plans of one batch and one mask, built on the GPU with no host sync.
+
+    ``offs``: int64 contiguous ``(B + 1,)``; ``total``: the number of jagged rows.
+    """
+
+    def __init__(self, offs: torch.Tensor, total: int, vis: Visibility):
+        self.offs, self.total, self.vis = offs, total, vis
+        self.tables = BlockTables(offs, total)
+        self._key_major: dict[Tile, KeyMajorPlan] = {}
+
+    def key_major(self, tile: Tile) -> KeyMajorPlan:
+        """The key-major plan for the dK/dV kernel's ``tile`` (built on first use)."""
+        if tile not in self._key_major:
+            nplan = self.vis.func.shape[0] if self.vis.per_head() else 1
+            self._key_major[tile] = KeyMajorPlan(self.offs, self.vis, self.tables, tile, nplan)
+        return self._key_major[tile]

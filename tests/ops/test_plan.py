@@ -1,0 +1,145 @@
+"""Block plans built once (flexhstu.ops.plan.build_plan) and reused: same results as plan-free calls,
+forward and backward, for every mask mode; a plan used with another call's offsets, size or mask is
+refused. Triton kernels under TRITON_INTERPRET=1 on the CPU (or on a GPU when one is present)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from rules import offsets_from
+
+from flexhstu import masks
+from flexhstu.ops.plan import build_plan
+from flexhstu.ops.triton import triton_hstu_mha
+from flexhstu.ops.triton.debug import poison_outputs
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+    reason="needs TRITON_INTERPRET=1 (CPU) or a GPU",
+)
+DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.is_available() else "cpu"
+LENGTHS = [37, 0, 70, 5]
+HEADS = 2
+
+
+@pytest.fixture(autouse=True)
+def _poisoned_outputs():
+    with poison_outputs():
+        yield
+
+
+def plan_kwargs(name, offs, lengths):
+    """build_plan's mask arguments for one mask mode."""
+    n, t = max(lengths), sum(lengths)
+    g = torch.Generator().manual_seed(5)
+    nt = torch.tensor([min(5, L) for L in lengths], device=DEVICE)
+    return {
+        "causal": {},
+        "non-causal": dict(causal=False),
+        "fixed": dict(num_targets=nt, max_attn_len=10, contextual_seq_len=3),
+        "sla": dict(attn_func=masks.sla(offs, 20, 4)),
+        "sla-widened-5": dict(attn_func=masks.widen(masks.sla(offs, 20, 4), 5)),
+        "onerank": dict(attn_func=masks.onerank(offs, torch.tensor([(L // 3) // 4 * 4 for L in lengths],
+                                                                   device=DEVICE), 4)),
+        "random-per-head-5": dict(attn_func=torch.randint(-3, n + 3, (HEADS, 5, t), generator=g,
+                                                          dtype=torch.int32).to(DEVICE)),
+        "random-9": dict(attn_func=torch.randint(-3, n + 3, (1, 9, t), generator=g, dtype=torch.int32).to(DEVICE)),
+    }[name]
+
+
+def mask_args(plan):
+    """triton_hstu_mha's mask arguments that match the plan (what hstu_mha passes for the same mask)."""
+    vis = plan.block.vis
+    return dict(func=vis.func, num_targets=vis.num_targets, causal_closed_form=vis.mode == 1,
+                contextual=vis.contextual, window=vis.window, min_full=vis.min_full)
+
+
+def tensors(total, seed, dqk=16, dv=32):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(total, HEADS, d, generator=g).to(DEVICE).requires_grad_(True) for d in (dqk, dqk, dv)]
+
+
+def two_layers(q, k, v, offs, margs, plan, n):
+    """Two attention calls in a row, the second fed from the first's output (one plan for both)."""
+    common = dict(alpha=0.3, out_scale=1 / 50, max_seq_len=n, plan=plan, **margs)
+    h1 = triton_hstu_mha(q, k, v, offs, **common)
+    return triton_hstu_mha(h1[..., :q.shape[2]] + q, k, h1 + v, offs, **common)
+
+
+@pytest.mark.parametrize("name", ["causal", "non-causal", "fixed", "sla", "sla-widened-5", "onerank",
+                                  "random-per-head-5", "random-9"])
+def test_a_plan_reused_across_two_layers_gives_the_plan_free_results(name):
+    offs = offsets_from(LENGTHS).to(DEVICE)
+    total, n = sum(LENGTHS), max(LENGTHS)
+    plan = build_plan(offs, total=total, max_seq_len=n, **plan_kwargs(name, offs, LENGTHS))
+    margs = mask_args(plan)
+    q, k, v = tensors(total, seed=1)
+    out = two_layers(q, k, v, offs, margs, plan, n)
+    ref = two_layers(q, k, v, offs, margs, None, n)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    want = torch.autograd.grad(ref, (q, k, v), dout)
+    for g, w, what in zip(got, want, ("dq", "dk", "dv")):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=lambda m, what=what: f"{what}: {m}")
+
+
+def test_a_plan_serves_two_head_dims():
+    # Tiles follow the head dims, so the key-major plan is built per tile and cached in the plan.
+    offs = offsets_from(LENGTHS).to(DEVICE)
+    total, n = sum(LENGTHS), max(LENGTHS)
+    plan = build_plan(offs, total=total, max_seq_len=n, attn_func=masks.sla(offs, 20, 4))
+    for dqk, dv in ((16, 32), (64, 128)):
+        q, k, v = tensors(total, seed=dqk, dqk=dqk, dv=dv)
+        common = dict(alpha=0.3, out_scale=0.1, max_seq_len=n, **mask_args(plan))
+        out = triton_hstu_mha(q, k, v, offs, plan=plan, **common)
+        ref = triton_hstu_mha(q, k, v, offs, **common)
+        torch.testing.assert_close(out, ref)
+        for g, w in zip(torch.autograd.grad(out.sum(), (q, k, v)), torch.autograd.grad(ref.sum(), (q, k, v))):
+            torch.testing.assert_close(g, w)
+
+
+def _call(plan, offs, total, **margs):
+    q, k, v = tensors(total, seed=0)
+    return triton_hstu_mha(q, k, v, offs, alpha=0.3, out_scale=0.1, max_seq_len=70, plan=plan, **margs)
+
+
+def test_a_plan_of_other_offsets_is_refused():
+    offs = offsets_from(LENGTHS).to(DEVICE)
+    plan = build_plan(offs, total=sum(LENGTHS), max_seq_len=70)
+    other = offsets_from(LENGTHS).to(DEVICE)  # equal values, another batch's tensor
+    with pytest.raises(ValueError, match="plan: expected a plan built from this call's seq_offsets"):
+        _call(plan, other, sum(LENGTHS), causal_closed_form=True)
+
+
+def test_a_plan_of_another_total_is_refused():
+    offs = offsets_from(LENGTHS).to(DEVICE)
+    plan = build_plan(offs, total=sum(LENGTHS) + 1, max_seq_len=70)
+    with pytest.raises(ValueError, match=f"plan: expected a plan for the call's {sum(LENGTHS)} rows"):
+        _call(plan, offs, sum(LENGTHS), causal_closed_form=True)
+
+
+@pytest.mark.parametrize("call_mask", ["other-func", "causal", "fixed-window"])
+def test_a_plan_of_another_mask_is_refused(call_mask):
+    offs = offsets_from(LENGTHS).to(DEVICE)
+    func = masks.sla(offs, 20, 4)
+    plan = build_plan(offs, total=sum(LENGTHS), max_seq_len=70, attn_func=func)
+    margs = {"other-func": dict(func=func.clone()), "causal": dict(causal_closed_form=True),
+             "fixed-window": dict(window=8)}[call_mask]
+    with pytest.raises(ValueError, match="plan: expected a plan for the call's mask"):
+        _call(plan, offs, sum(LENGTHS), **margs)
+
+
+def test_build_plan_refuses_fixed_rule_arguments_beside_a_func():
+    offs = offsets_from(LENGTHS).to(DEVICE)
+    with pytest.raises(ValueError, match="max_attn_len: expected its default"):
+        build_plan(offs, total=sum(LENGTHS), max_seq_len=70, attn_func=masks.sla(offs, 20, 4), max_attn_len=4)
+
+
+def test_build_plan_refuses_a_func_of_another_total():
+    offs = offsets_from(LENGTHS).to(DEVICE)
+    func = masks.causal(offsets_from([*LENGTHS, 3]).to(DEVICE))
+    with pytest.raises(ValueError, match="attn_func: expected"):
+        build_plan(offs, total=sum(LENGTHS), max_seq_len=70, attn_func=func)
