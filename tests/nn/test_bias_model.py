@@ -1,4 +1,4 @@
-"""The relative attention bias in the model: STU layers and HSTU retrieval."""
+"""The relative attention bias in the model: STU layers, HSTU retrieval, and the train flag through resume."""
 
 from __future__ import annotations
 
@@ -7,11 +7,15 @@ import pytest
 import torch
 from rules import offsets_from
 
+from flexhstu import checkpoint, train
+from flexhstu.cli.common import UserError
 from flexhstu.models import HSTURetrieval, make_batch
 from flexhstu.nn import STULayerConfig, STUStack
 
 LENGTHS = [9, 0, 13, 4]
 DIM, HEADS = 16, 2
+TINY = ["--data", "synthetic", "--dim", "16", "--layers", "1", "--heads", "2", "--max-len", "20", "--batch-size", "64",
+        "--negatives", "32", "--quiet", "--device", "cpu", "--epochs", "2"]
 
 
 def _stack(recompute: bool, rel_bias: bool = True) -> STUStack:
@@ -88,3 +92,22 @@ def test_hstu_retrieval_trains_with_and_without_the_bias(rel_bias):
         losses.append(loss.item())
     assert losses[-1] < 0.7 * losses[0], losses
 
+
+def test_no_rel_bias_is_recorded_and_fixed_on_resume(tmp_path):
+    out = tmp_path / "run"
+    train.main(TINY + ["--no-rel-bias", "--stop-after", "1", "--out", str(out)])
+    state = checkpoint.load(out / "checkpoint.pt", map_location="cpu")
+    assert state["config"]["no_rel_bias"] is True
+    assert not any("rel_bias" in key for key in state["model"])
+    with pytest.raises(UserError, match=r"--no-rel-bias True in the checkpoint, False now"):
+        train.main(TINY + ["--resume", "--out", str(out)])
+    resumed = train.main(TINY + ["--no-rel-bias", "--resume", "--out", str(out)])
+    assert [h["epoch"] for h in resumed["history"]] == [1, 2]
+
+
+def test_the_default_run_has_the_bias_in_its_checkpoint(tmp_path):
+    train.main(TINY + ["--stop-after", "1", "--out", str(tmp_path)])
+    state = checkpoint.load(tmp_path / "checkpoint.pt", map_location="cpu")
+    assert state["config"]["no_rel_bias"] is False
+    assert {"stack.layers.0.rel_bias.pos_w", "stack.layers.0.rel_bias.ts_w"} <= set(state["model"])
+    assert state["model"]["stack.layers.0.rel_bias.pos_w"].shape == (2 * 20 - 1,)
