@@ -49,8 +49,8 @@ from .nn import onerank_loss
 
 # Arguments that define the model, its data or its sample streams: ``--resume`` refuses a change to any of
 # them, since the resumed run would silently become a different experiment.
-FIXED_ON_RESUME = ("task", "model", "data", "columns", "mask", "sla_k1", "sla_k2", "no_task_tokens", "dim", "layers",
-                   "heads", "max_len", "dropout", "negatives", "batch_size", "seed")
+FIXED_ON_RESUME = ("task", "model", "data", "columns", "mask", "sla_k1", "sla_k2", "no_rel_bias", "no_task_tokens",
+                   "dim", "layers", "heads", "max_len", "dropout", "negatives", "batch_size", "seed")
 
 
 def _probability(text: str) -> float:
@@ -91,6 +91,8 @@ def build_parser() -> Parser:
     p.add_argument("--mask", choices=["causal", "sla"], default="causal", help="hstu's attention mask")
     p.add_argument("--sla-k1", type=positive_int, default=32, help="sla: local causal window K1")
     p.add_argument("--sla-k2", type=non_negative_int, default=4, help="sla: global prefix K2")
+    p.add_argument("--no-rel-bias", action="store_true",
+                   help="hstu ablation: no relative attention bias (per relative position and time-gap bucket)")
     p.add_argument("--no-task-tokens", action="store_true",
                    help="ranking ablation: plain target tokens, fixed targets mask")
     p.add_argument("--epochs", type=positive_int, default=None,
@@ -294,7 +296,7 @@ def _most_events(data) -> int:
 def build_model(a: argparse.Namespace, num_items: int) -> torch.nn.Module:
     if a.model == "hstu":
         return HSTURetrieval(num_items, dim=a.dim, layers=a.layers, heads=a.heads, max_len=a.max_len, mask=a.mask,
-                             sla_k1=a.sla_k1, sla_k2=a.sla_k2, dropout=a.dropout)
+                             sla_k1=a.sla_k1, sla_k2=a.sla_k2, dropout=a.dropout, rel_bias=not a.no_rel_bias)
     if a.model == "sasrec":
         return SASRecRetrieval(num_items, dim=a.dim, layers=a.layers, heads=a.heads, max_len=a.max_len,
                                dropout=a.dropout)

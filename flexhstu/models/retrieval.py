@@ -4,7 +4,7 @@ baseline of the same size, and popularity. Sampled-softmax training on cosine si
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -100,13 +100,16 @@ class _Retrieval(nn.Module):
 
 
 class HSTURetrieval(_Retrieval):
+    """``rel_bias``: each layer adds the published relative attention bias (positions up to ``max_len``)."""
+
     def __init__(self, num_items: int, dim: int = 64, layers: int = 2, heads: int = 2, max_len: int = 200,
                  mask: str = "causal", sla_k1: int = 32, sla_k2: int = 4, dropout: float = 0.2,
-                 kernel: Kernel = Kernel.AUTO):
+                 kernel: Kernel = Kernel.AUTO, rel_bias: bool = True):
         if mask not in ("causal", "sla"):
             raise bad_value("mask", "'causal' or 'sla'", repr(mask))
         super().__init__(InputEncoder(num_items, dim, max_len))
-        self.stack = STUStack(stu_config(dim, heads, dropout, kernel), layers)
+        cfg = replace(stu_config(dim, heads, dropout, kernel), rel_bias=rel_bias, rel_bias_max_len=max_len)
+        self.stack = STUStack(cfg, layers)
         self.mask, self.sla_k1, self.sla_k2 = mask, sla_k1, sla_k2
         self.dropout = nn.Dropout(dropout)
 
@@ -115,7 +118,7 @@ class HSTURetrieval(_Retrieval):
         kw = {}
         if self.mask == "sla":
             kw["attn_func"] = masks.sla(batch.offsets, self.sla_k1, self.sla_k2, total=x.shape[0])
-        return self.stack(x, batch.offsets, batch.max_len, **kw)
+        return self.stack(x, batch.offsets, batch.max_len, batch.times, **kw)
 
     def _history_mask(self, offsets: torch.Tensor, total: int) -> dict:
         if self.mask == "sla":

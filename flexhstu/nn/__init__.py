@@ -1,8 +1,9 @@
-"""Model layers: STU layer and stack, input encoding, OneRank tokenizer and head."""
+"""Model layers: STU layer and stack, relative attention bias, input encoding, OneRank tokenizer and head."""
 
+from .bias import RelativeTimePositionBias
 from .encoding import InputEncoder, time_gap_buckets
 from .onerank import OneRankBatch, OneRankHead, OneRankTokenizer, onerank_loss
 from .stu import STULayer, STULayerConfig, STUStack
 
-__all__ = ["InputEncoder", "OneRankBatch", "OneRankHead", "OneRankTokenizer", "STULayer", "STULayerConfig", "STUStack",
-           "onerank_loss", "time_gap_buckets"]
+__all__ = ["InputEncoder", "OneRankBatch", "OneRankHead", "OneRankTokenizer", "RelativeTimePositionBias", "STULayer",
+           "STULayerConfig", "STUStack", "onerank_loss", "time_gap_buckets"]

@@ -11,6 +11,7 @@ from torch import nn
 
 from .._errors import bad_type, bad_value
 from ..ops import Kernel, hstu_mha
+from .bias import RelativeTimePositionBias
 from .stu_lean import EAGER, GatedOutput, NormLinear, compiled_bodies, dropout_keep, gate
 
 
@@ -26,6 +27,10 @@ class STULayerConfig:
     (what is saved stays as designed), without it the whole plain body is. ``None`` (the default)
     compiles for CUDA inputs only: on the CPU, compiling costs more than it saves for the small
     models trained there. The attention is ``hstu_mha`` in every case.
+
+    ``rel_bias``: the layer owns a relative attention bias (``flexhstu.nn.RelativeTimePositionBias``,
+    the published HSTU's: one per layer, shared by the heads) over ``rel_bias_max_len`` positions and
+    ``rel_bias_buckets`` time-gap buckets, and its forward needs the event times.
     """
 
     embedding_dim: int = 64
@@ -37,6 +42,9 @@ class STULayerConfig:
     recompute: bool = True
     compile: bool | None = None
     compile_backend: str = "inductor"
+    rel_bias: bool = False
+    rel_bias_max_len: int = 0  # the position table covers relative positions up to +-(rel_bias_max_len - 1)
+    rel_bias_buckets: int = 128
 
     def __post_init__(self):
         for name in ("embedding_dim", "num_heads", "attention_dim", "hidden_dim"):
@@ -51,13 +59,24 @@ class STULayerConfig:
             raise bad_type("compile", "None (compile on CUDA only) or a bool", type(self.compile).__name__)
         if not isinstance(self.compile_backend, str):
             raise bad_type("compile_backend", "a torch.compile backend name", type(self.compile_backend).__name__)
+        if not isinstance(self.rel_bias, bool):
+            raise bad_type("rel_bias", "a bool", type(self.rel_bias).__name__)
+        if self.rel_bias and (isinstance(self.rel_bias_max_len, bool) or not isinstance(self.rel_bias_max_len, int)
+                              or self.rel_bias_max_len < 1):
+            raise bad_value("rel_bias_max_len", "a positive int (the longest sequence) with rel_bias",
+                            self.rel_bias_max_len)
+        if isinstance(self.rel_bias_buckets, bool) or not isinstance(self.rel_bias_buckets, int) \
+                or self.rel_bias_buckets < 0:
+            raise bad_value("rel_bias_buckets", "a non-negative int", self.rel_bias_buckets)
 
 
 class STULayer(nn.Module):
     """x -> LN -> [u|v|q|k] -> a = hstu_mha(q, k, v) -> y = dropout(silu(u) * LN(a)) -> x + W [silu(u), a, y].
 
     Takes jagged ``x (total, D)`` and returns ``(total, D)``; the mask (``attn_func`` or the fixed-rule
-    arguments) is built once per batch by the caller and passed through ``mask_kwargs``.
+    arguments) is built once per batch by the caller and passed through ``mask_kwargs``. With
+    ``cfg.rel_bias`` the layer's relative attention bias, read at ``timestamps (total,)``, enters the
+    attention call (``hstu_mha(rel_bias=...)``).
     """
 
     def __init__(self, cfg: STULayerConfig):
@@ -68,6 +87,7 @@ class STULayer(nn.Module):
         self.uvqk = nn.Linear(cfg.embedding_dim, h * (2 * dh + 2 * da))
         self.attn_norm = nn.LayerNorm(h * dh)
         self.out = nn.Linear(3 * h * dh, cfg.embedding_dim)
+        self.rel_bias = RelativeTimePositionBias(cfg.rel_bias_max_len, cfg.rel_bias_buckets) if cfg.rel_bias else None
 
     def compiles(self, x: torch.Tensor) -> bool:
         """Whether ``forward(x, ...)`` compiles (never when the caller already runs under torch.compile)."""
@@ -75,7 +95,13 @@ class STULayer(nn.Module):
             return False
         return x.is_cuda if self.cfg.compile is None else self.cfg.compile
 
-    def forward(self, x: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int, **mask_kwargs) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int,
+                timestamps: torch.Tensor | None = None, **mask_kwargs) -> torch.Tensor:
+        if self.rel_bias is not None:
+            if timestamps is None:
+                raise bad_value("timestamps", "the (total,) event times (this layer has a relative attention bias)",
+                                None)
+            mask_kwargs = {**mask_kwargs, "rel_bias": self.rel_bias(timestamps)}
         compiles = self.compiles(x)
         if compiles and not self.cfg.recompute:
             return _compiled_body(self.cfg.compile_backend)(self, x, seq_offsets, max_seq_len, mask_kwargs)
@@ -117,14 +143,18 @@ def _compiled_body(backend: str):
 
 
 class STUStack(nn.Module):
-    """``num_layers`` STU layers run on one mask built once per batch, then a final layer norm."""
+    """``num_layers`` STU layers run on one mask built once per batch, then a final layer norm.
+
+    ``timestamps (total,)`` reach every layer; those with ``cfg.rel_bias`` need them, the others ignore them.
+    """
 
     def __init__(self, cfg: STULayerConfig, num_layers: int):
         super().__init__()
         self.layers = nn.ModuleList(STULayer(cfg) for _ in range(num_layers))
         self.norm = nn.LayerNorm(cfg.embedding_dim)
 
-    def forward(self, x: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int, **mask_kwargs) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int,
+                timestamps: torch.Tensor | None = None, **mask_kwargs) -> torch.Tensor:
         for layer in self.layers:
-            x = layer(x, seq_offsets, max_seq_len, **mask_kwargs)
+            x = layer(x, seq_offsets, max_seq_len, timestamps, **mask_kwargs)
         return self.norm(x)

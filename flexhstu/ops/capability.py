@@ -29,13 +29,14 @@ TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def triton_unsupported_reason(
     q: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | FixedRule, dropout_pr: float, *,
-    attn_scale: torch.Tensor | None = None,
+    attn_scale: torch.Tensor | None = None, bias: object = None,
 ) -> str | None:
     """Why the Triton kernels cannot run this call, as ``arg: expected X, got Y``; None when they can.
 
     ``q (total, H, Dqk)``, ``v (total, H, Dv)``; ``mask`` is the func or the fixed
     rule's parameters; ``dropout_pr`` is the rate applied (0.0 outside training);
-    ``attn_scale`` the output scale, ``()`` or ``(total,)``, or None.
+    ``attn_scale`` the output scale, ``()`` or ``(total,)``, or None; ``bias`` the attention bias
+    (``rel_bias`` tables or a dense ``rab``), or None.
     """
     if not _triton_installed():
         return "kernel: expected a backend that is installed (Kernel.TRITON needs triton: pip install 'flexhstu[gpu]')"
@@ -53,6 +54,10 @@ def triton_unsupported_reason(
             "attn_scale: expected a tensor that does not require grad for Kernel.TRITON (the kernels give it no "
             "gradient; Kernel.PYTORCH does), got requires_grad=True"
         )
+    if isinstance(bias, torch.Tensor):
+        return f"rab: expected None for Kernel.TRITON (no attention bias in the kernels yet), got {tuple(bias.shape)}"
+    if bias is not None:
+        return "rel_bias: expected None for Kernel.TRITON (no attention bias in the kernels yet), got a RelativeBias"
     if isinstance(mask, FixedRule) and not mask.causal:
         used = {
             "num_targets": mask.num_targets is not None,

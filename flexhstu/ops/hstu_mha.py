@@ -27,6 +27,7 @@ from ..jagged import (
 )
 from ..masks.format import check_func_meta
 from ..masks.rules import FixedRule
+from .bias import RelativeBias, check_rab, check_relative_bias
 from .capability import triton_unsupported_reason
 from .cutlass import unavailable_reason
 from .kernel import Kernel
@@ -48,6 +49,7 @@ class _Call(NamedTuple):
     attn_scale: torch.Tensor | None  # () or (total,): multiplies every row (or row t) instead
     max_seq_len: int
     dropout_pr: float  # the rate applied: 0.0 outside training
+    bias: RelativeBias | torch.Tensor | None  # added to alpha * Q K^T: the tables, a dense rab, or none
 
 
 def hstu_mha(
@@ -67,9 +69,11 @@ def hstu_mha(
     attn_func: torch.Tensor | None = None,
     scaling_seqlen: int = -1,
     attn_scale: torch.Tensor | None = None,
+    rel_bias: RelativeBias | None = None,
+    rab: torch.Tensor | None = None,
     kernel: Kernel = Kernel.AUTO,
 ) -> torch.Tensor:
-    """HSTU attention over a jagged batch: ``O = (silu(alpha Q K^T) * M) V / scaling_seqlen``.
+    """HSTU attention over a jagged batch: ``O = (silu(alpha Q K^T [+ bias]) * M) V / scaling_seqlen``.
 
     The math is docs/design.md, section 4; the layout section 1; the masks section 3.
 
@@ -93,19 +97,27 @@ def hstu_mha(
     - ``attn_scale``: a floating tensor, scalar ``()`` or one factor per query row
       ``(total,)``, on q's device, used instead of ``1 / scaling_seqlen`` (leave that at
       its default): ``A = silu(S) * M * attn_scale[row]`` (docs/design.md, section 10).
+    - ``rel_bias``: a :class:`flexhstu.ops.bias.RelativeBias` (tables ``pos_w``, ``ts_w`` and the
+      ``(total,)`` timestamps): the published HSTU's relative attention bias, added to
+      ``alpha * Q K^T`` before the SiLU (the rule is in ``flexhstu.ops.bias``).
+    - ``rab``: a dense bias instead, floating ``(B, N, N)`` or ``(B, 1 or H, N, N)`` with
+      ``N = max_seq_len``; entry ``[b, (h,) i, j]`` is added to the score of local query ``i``, key ``j``.
+      Give at most one of ``rel_bias`` and ``rab``; gradients reach the tables or ``rab``.
     - ``kernel``: ``Kernel.AUTO`` runs Triton on CUDA tensors it supports and the
       PyTorch reference otherwise; an explicit backend that cannot run the call raises.
     """
     rule = FixedRule(causal, num_targets, max_attn_len, contextual_seq_len, min_full_attn_seq_len)
     call = _checked_call(
-        max_seq_len, alpha, q, k, v, seq_offsets, rule, attn_func, dropout_pr, training, scaling_seqlen, attn_scale
+        max_seq_len, alpha, q, k, v, seq_offsets, rule, attn_func, dropout_pr, training, scaling_seqlen, attn_scale,
+        rel_bias, rab,
     )
     backend = _choose_backend(kernel, call)
     return _BACKENDS[backend](call)
 
 
 def _checked_call(
-    max_seq_len, alpha, q, k, v, seq_offsets, rule, attn_func, dropout_pr, training, scaling_seqlen, attn_scale
+    max_seq_len, alpha, q, k, v, seq_offsets, rule, attn_func, dropout_pr, training, scaling_seqlen, attn_scale,
+    rel_bias, rab,
 ) -> _Call:
     _check_qkv(q, k, v)
     check_offsets_meta(seq_offsets)
@@ -129,7 +141,8 @@ def _checked_call(
         scaling = float(max_seq_len) or 1.0
     rate = _probability(dropout_pr) if training else 0.0
     mask = attn_func if attn_func is not None else rule
-    return _Call(q, k, v, seq_offsets, mask, alpha, scaling, attn_scale, max_seq_len, rate)
+    bias = _checked_bias(rel_bias, rab, q, seq_offsets.numel() - 1, max_seq_len)
+    return _Call(q, k, v, seq_offsets, mask, alpha, scaling, attn_scale, max_seq_len, rate, bias)
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_name: str = "q") -> None:
@@ -193,6 +206,17 @@ def _check_attn_scale(attn_scale: object, total: int, scaling: float) -> None:
         )
 
 
+def _checked_bias(rel_bias, rab, q: torch.Tensor, batch: int, max_seq_len: int):
+    if rel_bias is not None and rab is not None:
+        raise ValueError("rab: expected None when rel_bias is given (give the bias one way), got a tensor")
+    if rel_bias is not None:
+        check_relative_bias(rel_bias, q)
+        return rel_bias
+    if rab is not None:
+        check_rab(rab, q, batch, max_seq_len)
+    return rab
+
+
 def _probability(dropout_pr: object) -> float:
     if isinstance(dropout_pr, (bool, torch.Tensor)) or not isinstance(dropout_pr, numbers.Real):
         raise bad_type("dropout_pr", "a probability in [0, 1)", type(dropout_pr).__name__)
@@ -235,10 +259,10 @@ def _choose_backend(kernel: Kernel | str, call: _Call) -> Kernel:
     except ValueError:
         raise bad_value("kernel", f"one of {[k.value for k in Kernel]}", repr(kernel)) from None
     if kernel == Kernel.AUTO:
-        reason = triton_unsupported_reason(call.q, call.v, call.mask, call.dropout_pr, attn_scale=call.attn_scale)
+        reason = _triton_reason(call)
         return Kernel.TRITON if call.q.is_cuda and reason is None else Kernel.PYTORCH
     if kernel == Kernel.TRITON:
-        reason = triton_unsupported_reason(call.q, call.v, call.mask, call.dropout_pr, attn_scale=call.attn_scale)
+        reason = _triton_reason(call)
         if reason is not None:
             raise ValueError(f"{reason}; Kernel.PYTORCH runs every input")
     if kernel == Kernel.CUTLASS:
@@ -246,10 +270,14 @@ def _choose_backend(kernel: Kernel | str, call: _Call) -> Kernel:
     return kernel
 
 
+def _triton_reason(c: _Call) -> str | None:
+    return triton_unsupported_reason(c.q, c.v, c.mask, c.dropout_pr, attn_scale=c.attn_scale, bias=c.bias)
+
+
 def _run_pytorch(c: _Call) -> torch.Tensor:
     return pytorch_hstu_mha(
         c.q, c.k, c.v, c.seq_offsets, c.mask, alpha=c.alpha, scaling_seqlen=c.scaling, max_seq_len=c.max_seq_len,
-        dropout_pr=c.dropout_pr, attn_scale=c.attn_scale,
+        dropout_pr=c.dropout_pr, attn_scale=c.attn_scale, bias=c.bias,
     )
 
 

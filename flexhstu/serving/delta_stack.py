@@ -77,6 +77,11 @@ def stack_delta(stack: STUStack, x: torch.Tensor, history: JaggedHistory, new_of
                 max_seq_len: int, mask: MaskFn | None = None) -> tuple[torch.Tensor, list, list]:
     """The stack (final norm included) for new rows ``x (T_n, D)`` jagged by ``new_offsets (B + 1,)`` after the
     cached ``history``. Returns (outputs ``(T_n, D)``, per-layer new ``k``, per-layer new ``v``)."""
+    biased = [i for i, layer in enumerate(stack.layers) if layer.rel_bias is not None]
+    if biased:  # the cache keeps no event times and delta_hstu_mha takes no bias: refuse, never drop the bias
+        raise bad_value("stack", "STU layers without a relative attention bias for cached serving (the delta path "
+                        "has no bias yet; build the model with rel_bias=False)",
+                        f"rel_bias on layer {biased[0]}")
     layout = delta_layout(history.offsets, new_offsets, history.k[0].shape[0], x.shape[0])
     mask_kwargs = {} if mask is None else dict(mask(layout.kv_offsets, layout.total_kv))
     if "attn_func" in mask_kwargs:  # one column per query row: the new rows' columns of the whole func

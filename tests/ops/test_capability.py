@@ -12,6 +12,7 @@ from rules import offsets_from
 import flexhstu
 from flexhstu import Kernel, masks
 from flexhstu.masks.rules import FixedRule
+from flexhstu.ops.bias import RelativeBias
 from flexhstu.ops.capability import triton_unsupported_reason
 
 triton = pytest.importorskip("triton")
@@ -37,6 +38,11 @@ UNSUPPORTED = {
     "attn-scale-grad": (
         {}, dict(attn_scale=torch.full((8,), 0.5, requires_grad=True)), r"attn_scale: expected a tensor that does not"
     ),
+    "rel-bias": (
+        {}, dict(rel_bias=RelativeBias(torch.zeros(9), torch.zeros(129), torch.arange(8))),
+        r"rel_bias: expected None for Kernel.TRITON \(no attention bias .*got a RelativeBias",
+    ),
+    "rab": ({}, dict(rab=torch.zeros(2, 5, 5)), r"rab: expected None for Kernel.TRITON .*got \(2, 5, 5\)"),
     "non-causal-window": ({}, dict(causal=False, max_attn_len=2), r"causal: expected True with max_attn_len"),
     "non-causal-contextual": (
         {}, dict(causal=False, contextual_seq_len=1), r"causal: expected True with contextual_seq_len"
@@ -48,7 +54,8 @@ def rule_rate_and_scale(kw):
     kw = dict(kw)
     rate = kw.pop("dropout_pr", 0.0)
     scale = kw.pop("attn_scale", None)
-    return FixedRule(**kw), rate, scale
+    bias = kw.pop("rel_bias", kw.pop("rab", None))
+    return FixedRule(**kw), rate, scale, bias
 
 
 @pytest.mark.parametrize("name", sorted(UNSUPPORTED))
@@ -56,8 +63,8 @@ def test_predicate_names_the_unsupported_argument(name, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     shape_kw, call_kw, msg = UNSUPPORTED[name]
     q, _, v = qkv(**shape_kw)
-    rule, rate, scale = rule_rate_and_scale(call_kw)
-    reason = triton_unsupported_reason(q, v, rule, rate, attn_scale=scale)
+    rule, rate, scale, bias = rule_rate_and_scale(call_kw)
+    reason = triton_unsupported_reason(q, v, rule, rate, attn_scale=scale, bias=bias)
     assert reason is not None and re.search(msg, reason), reason
 
 

@@ -88,7 +88,7 @@ def test_extend_equals_prefill_of_the_grown_history(mask):
 def test_retrieval_cached_scores_equal_the_full_scores_of_the_last_state():
     torch.manual_seed(0)
     model = HSTURetrieval(30, dim=16, layers=2, heads=2, max_len=20, mask="sla", sla_k1=3, sla_k2=1,
-                          kernel="pytorch").double().eval()
+                          kernel="pytorch", rel_bias=False).double().eval()
     lengths = [6, 3, 9]
     items = torch.randint(1, 31, (18,))
     batch = SeqBatch(items, torch.arange(18) * 60, torch.zeros(18, dtype=torch.int64), offsets_from(lengths), 24)
@@ -163,3 +163,13 @@ def test_cached_scores_through_the_triton_delta_kernel_equal_the_reference_full_
     model.cache_histories(cache, ["a", "b", "c", "d"], hist, times, hoffs)
     got = model.score_cached(cache, ["a", "b", "c", "d"], cands, coffs, micro_batch=2)
     torch.testing.assert_close(got, full, rtol=1e-5, atol=1e-5)
+
+
+def test_cached_serving_refuses_a_model_with_relative_attention_bias():
+    # The delta path has no bias: running it would silently drop the bias the model was trained with.
+    model = HSTURetrieval(30, dim=16, layers=2, heads=2, max_len=20, kernel="pytorch").double().eval()
+    batch = SeqBatch(torch.randint(1, 31, (5,)), torch.arange(5) * 60, torch.zeros(5, dtype=torch.int64),
+                     offsets_from([5]), 24)
+    with pytest.raises(ValueError, match=r"stack: expected STU layers without a relative attention bias .*"
+                                         r"got rel_bias on layer 0"):
+        model.cache_histories(HistoryCache(2, 24), [1], batch)

@@ -2,9 +2,10 @@
 
 This file defines what every backend computes (docs/design.md, section 4)::
 
-    S = alpha * Q K^T;  A = silu(S) * M / scaling_seqlen;  O = dropout(A) V
+    S = alpha * Q K^T [+ bias];  A = silu(S) * M / scaling_seqlen;  O = dropout(A) V
 
-or, with ``attn_scale`` (docs/design.md, section 10), ``A = silu(S) * M * attn_scale[row]``.
+or, with ``attn_scale`` (docs/design.md, section 10), ``A = silu(S) * M * attn_scale[row]``. The
+optional bias is a relative attention bias (``flexhstu.ops.bias``) or a dense ``rab (B, [H,] N, N)``.
 
 Masking is by selection (``torch.where``), never by multiplication: a hidden or
 padded entry contributes exactly 0 whatever it holds, so a NaN or Inf in one
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from ...jagged import lengths_of, row_coords
 from ...masks.format import to_dense
 from ...masks.rules import FixedRule, dense_fixed
+from ..bias import RelativeBias, dense_relative_bias
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -35,6 +37,7 @@ def pytorch_hstu_mha(
     max_seq_len: int,
     dropout_pr: float = 0.0,
     attn_scale: torch.Tensor | None = None,
+    bias: RelativeBias | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Jagged ``q, k (total, H, Dqk)``, ``v (total, H, Dv)``, offsets ``(B + 1,)`` -> ``(total, H, Dv)``.
 
@@ -47,10 +50,13 @@ def pytorch_hstu_mha(
     output cast back. ``dropout_pr`` is the rate to apply (0 outside training).
     ``attn_scale``: ``()`` or ``(total,)``, multiplies row ``t`` instead of dividing by
     ``scaling_seqlen``; autograd gives the backward (dO scaled the same way).
+    ``bias``: added to ``alpha * Q K^T`` of the visible pairs, either the tables of a relative bias or a
+    dense ``rab (B, N, N)`` / ``(B, 1 or H, N, N)`` with ``N = max_seq_len``; gradients reach it.
     """
     total, nheads, _ = q.shape
     if total == 0:  # keeps the output attached to the graph, so backward gives zero gradients
-        return q.new_zeros(0, nheads, v.shape[2]) + 0.0 * (q.sum() + k.sum() + v.sum())
+        inputs = [q, k, v, *_bias_tensors(bias)]
+        return q.new_zeros(0, nheads, v.shape[2]) + 0.0 * sum(x.sum().to(q.dtype) for x in inputs)
     work = torch.float32 if q.dtype in _HALF else q.dtype
     offs = seq_offsets.to(torch.int64)
     n = _padded_length(offs, total, max_seq_len)
@@ -59,8 +65,11 @@ def pytorch_hstu_mha(
     rows = (offs[:-1, None] + pos[None, :]).clamp(max=total - 1)
     qp, kp, vp = (torch.where(inside[:, :, None, None], x[rows].to(work), 0.0) for x in (q, k, v))  # (B, N, H, D)
     visible = _decode(mask, offs, n)  # (B, Hf, N, N)
+    s = torch.einsum("bihd,bjhd->bhij", qp, kp) * alpha
+    if bias is not None:
+        s = s + _dense_bias(bias, offs, n).to(work)
     # Hidden scores become 0 before silu: silu(0) = 0, and where sends them no gradient.
-    s = torch.where(visible, torch.einsum("bihd,bjhd->bhij", qp, kp) * alpha, 0.0)
+    s = torch.where(visible, s, 0.0)
     if attn_scale is None:
         a = F.silu(s) / scaling_seqlen
     else:
@@ -79,6 +88,20 @@ def _decode(mask: torch.Tensor | FixedRule, offs: torch.Tensor, n: int) -> torch
     if isinstance(mask, torch.Tensor):
         return to_dense(mask, offs, n)
     return dense_fixed(offs, n, **mask._asdict())
+
+
+def _bias_tensors(bias: RelativeBias | torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    if bias is None:
+        return ()
+    return (bias.pos_w, bias.ts_w) if isinstance(bias, RelativeBias) else (bias,)
+
+
+def _dense_bias(bias: RelativeBias | torch.Tensor, offs: torch.Tensor, n: int) -> torch.Tensor:
+    """``(B, 1 or H, n, n)``: the pairs of the padded batch."""
+    if isinstance(bias, RelativeBias):
+        return dense_relative_bias(bias, offs, n)
+    rab = bias if bias.dim() == 4 else bias[:, None]
+    return rab[:, :, :n, :n]
 
 
 def _padded_length(offs: torch.Tensor, total: int, max_seq_len: int) -> int:
