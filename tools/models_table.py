@@ -23,6 +23,8 @@ def configuration(args: dict) -> tuple[str, str]:
     """(task, a label naming what the runs of one configuration share)."""
     if args["model"] == "hstu":
         label = "HSTU, " + (f"SLA k1={args['sla_k1']} k2={args['sla_k2']}" if args["mask"] == "sla" else "causal")
+        if args.get("no_rel_bias"):
+            label += ", no rel. bias"
     elif args["model"] == "onerank":
         label = "OneRank, " + ("no task tokens (targets mask)" if args["no_task_tokens"] else "task tokens")
     else:

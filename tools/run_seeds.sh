@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The 5-seed model table: HSTU causal, HSTU SLA, SASRec-style, OneRank with and without task tokens
-# (seeds 0..4) and popularity (once: it has no seed), all with the README's default settings, in
-# parallel processes, each run in its own folder ROOT/<config>/seed<N>; then the tables.
+# The 5-seed model table: HSTU causal (with and without the relative attention bias), HSTU SLA,
+# SASRec-style, OneRank with and without task tokens (seeds 0..4) and popularity (once: it has no
+# seed), all with the README's default settings, in parallel processes, each run in its own folder
+# ROOT/<config>/seed<N>; then the tables.
 #
 #   tools/run_seeds.sh --data PATH/ml-100k.inter --root runs/seeds [-j 8] [--seeds "0 1 2 3 4"] [-- EXTRA...]
 #
@@ -28,6 +29,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 declare -A configs=(
   [hstu-causal]="--model hstu --mask causal"
+  [hstu-causal-nobias]="--model hstu --mask causal --no-rel-bias"
   [hstu-sla]="--model hstu --mask sla --sla-k1 32 --sla-k2 4"
   [sasrec]="--model sasrec"
   [onerank-tasktokens]="--task ranking --model onerank"
