@@ -30,34 +30,52 @@ from .tables import first_block, locate_block
 
 
 @triton.jit
-def _no_bounds(INTERVALS_POW2: tl.constexpr):
-    """Hulls and cores of no row: empty hulls, empty cores, ready for ``_fold_bounds``."""
-    return (tl.full((INTERVALS_POW2,), BIG, tl.int32), tl.zeros((INTERVALS_POW2,), tl.int32),
-            tl.full((INTERVALS_POW2,), BIG, tl.int32), tl.zeros((INTERVALS_POW2,), tl.int32))
+def _bounds_combine(hlo_a, hhi_a, clo_a, chi_a, hlo_b, hhi_b, clo_b, chi_b):
+    """Hulls widen (min of starts, max of ends); cores narrow (max of starts, min of ends)."""
+    return tl.minimum(hlo_a, hlo_b), tl.maximum(hhi_a, hhi_b), tl.maximum(clo_a, clo_b), tl.minimum(chi_a, chi_b)
 
 
 @triton.jit
-def _fold_bounds(hlo, hhi, clo, chi, s, e, row_ok, jr, j: tl.constexpr):
-    """Set slot ``j`` of the hull/core vectors from the rows' interval ``[s, e)``."""
+def _no_bounds(BLOCK_M: tl.constexpr, INTERVALS_POW2: tl.constexpr):
+    """Per-row contributions of no interval: ``(BLOCK_M, INTERVALS_POW2)`` tiles whose reduction is an empty
+    hull and an empty core in every slot."""
+    big = tl.full((BLOCK_M, INTERVALS_POW2), BIG, tl.int32)
+    zero = tl.zeros((BLOCK_M, INTERVALS_POW2), tl.int32)
+    return big, zero, big, zero
+
+
+@triton.jit
+def _place_interval(parts, s, e, row_ok, j: tl.constexpr):
+    """Write the rows' interval ``[s, e)`` into slot ``j`` of the per-row contribution tiles ``parts``."""
+    hs, he, cs, ce = parts
+    jr = tl.arange(0, hs.shape[1])
+    slot = jr[None, :] == j
     nonempty = e > s
-    hlo = tl.where(jr == j, tl.min(tl.where(nonempty, s, BIG), axis=0), hlo)
-    hhi = tl.where(jr == j, tl.max(tl.where(nonempty, e, 0), axis=0), hhi)
-    clo = tl.where(jr == j, tl.max(tl.where(row_ok, s, 0), axis=0), clo)
-    chi = tl.where(jr == j, tl.min(tl.where(row_ok, e, BIG), axis=0), chi)
-    return hlo, hhi, clo, chi
+    hs = tl.where(slot, tl.where(nonempty, s, BIG)[:, None], hs)
+    he = tl.where(slot, tl.where(nonempty, e, 0)[:, None], he)
+    cs = tl.where(slot, tl.where(row_ok, s, 0)[:, None], cs)
+    ce = tl.where(slot, tl.where(row_ok, e, BIG)[:, None], ce)
+    return hs, he, cs, ce
+
+
+@triton.jit
+def _reduce_bounds(parts):
+    """The four ``(INTERVALS_POW2,)`` vectors (hull start/end, core start/end), in one reduction over the rows:
+    one exchange between warps for all intervals and all four statistics."""
+    hs, he, cs, ce = parts
+    return tl.reduce((hs, he, cs, ce), 0, _bounds_combine)
 
 
 @triton.jit
 def block_bounds(func, targets, rule, rows, rows_g, row_ok, L,
                  NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_TARGETS: tl.constexpr, INTERVALS_POW2: tl.constexpr):
     """Per-interval hull and core of a query block: four ``(INTERVALS_POW2,)`` int32 vectors."""
-    jr = tl.arange(0, INTERVALS_POW2)
-    hlo, hhi, clo, chi = _no_bounds(INTERVALS_POW2)
+    parts = _no_bounds(rows.shape[0], INTERVALS_POW2)
     for j in tl.static_range((NFUNC + 1) // 2):
         s, e = row_interval(func=func, targets=targets, rule=rule, rows=rows, rows_g=rows_g, row_ok=row_ok, L=L,
                             j=j, MODE=MODE, HAS_TARGETS=HAS_TARGETS)
-        hlo, hhi, clo, chi = _fold_bounds(hlo, hhi, clo, chi, s, e, row_ok, jr, j)
-    return hlo, hhi, clo, chi
+        parts = _place_interval(parts, s, e, row_ok, j)
+    return _reduce_bounds(parts)
 
 
 @triton.jit
@@ -99,12 +117,33 @@ def _meets_block(hlo, hhi, n0, BLOCK_N: tl.constexpr, INTERVALS_POW2: tl.constex
 
 
 @triton.jit
-def _inside(s, e, cols, TRANS: tl.constexpr):
-    """Bool tile: key column ``cols`` in ``[s, e)`` of each row; ``(rows, cols)``, or ``(cols, rows)`` when TRANS."""
-    if TRANS:
-        return (cols[:, None] >= s[None, :]) & (cols[:, None] < e[None, :])
+def _inside(s, e, cols, TRANS: tl.constexpr, FROM_ZERO: tl.constexpr):
+    """Bool tile: key column ``cols`` in ``[s, e)`` of each row; ``(rows, cols)``, or ``(cols, rows)`` when TRANS.
+
+    Two operations per element: ``(col - s)`` as unsigned is below ``max(e - s, 0)`` exactly when
+    ``s <= col < e`` (a column left of ``s`` wraps to a large unsigned value). FROM_ZERO (``s`` is 0 on
+    every row, as for interval 0): one comparison.
+    """
+    if FROM_ZERO:
+        if TRANS:
+            return cols[:, None] < e[None, :]
+        else:
+            return cols[None, :] < e[:, None]
     else:
-        return (cols[None, :] >= s[:, None]) & (cols[None, :] < e[:, None])
+        span = tl.maximum(e - s, 0).to(tl.uint32)
+        if TRANS:
+            return (cols[:, None] - s[None, :]).to(tl.uint32) < span[None, :]
+        else:
+            return (cols[None, :] - s[:, None]).to(tl.uint32) < span[:, None]
+
+
+@triton.jit
+def _nothing_visible(rows, cols, TRANS: tl.constexpr):
+    """An all-False ``(rows, cols)`` tile (``(cols, rows)`` when TRANS): the start of a union of intervals."""
+    if TRANS:
+        return tl.zeros((cols.shape[0], rows.shape[0]), tl.int1)
+    else:
+        return tl.zeros((rows.shape[0], cols.shape[0]), tl.int1)
 
 
 @triton.jit
@@ -113,17 +152,17 @@ def interval_visibility(func, targets, rule, rows, rows_g, row_ok, L, cols, n0, 
                         INTERVALS_POW2: tl.constexpr, BLOCK_N: tl.constexpr, TRANS: tl.constexpr):
     """Bool tile of visible pairs: ``(rows, cols)``, or ``(cols, rows)`` when TRANS.
 
-    Only intervals whose hull meets this key block are evaluated, so an
+    Only intervals whose hull meets this key block are read and evaluated, so an
     interval that is empty for the block's rows (a widened func's padding)
     costs one scalar test.
     """
     meets = _meets_block(hlo, hhi, n0, BLOCK_N, INTERVALS_POW2)
-    vis = (cols[:, None] < 0) & (rows[None, :] < 0) if TRANS else (rows[:, None] < 0) & (cols[None, :] < 0)
+    vis = _nothing_visible(rows, cols, TRANS)
     for j in tl.static_range((NFUNC + 1) // 2):
         if ((meets >> j) & 1) != 0:
             s, e = row_interval(func=func, targets=targets, rule=rule, rows=rows, rows_g=rows_g, row_ok=row_ok, L=L,
                                 j=j, MODE=MODE, HAS_TARGETS=HAS_TARGETS)
-            vis = vis | _inside(s, e, cols, TRANS)
+            vis = vis | _inside(s, e, cols, TRANS, j == 0)
     return vis
 
 
@@ -161,36 +200,37 @@ def load_row_intervals(func, targets, rule, rows, rows_g, row_ok, L,
 def bounds_from_intervals(intervals, row_ok, NFUNC: tl.constexpr, INTERVALS_POW2: tl.constexpr):
     """``block_bounds`` from the tuple of ``load_row_intervals``."""
     s0, e0, s1, e1, s2, e2, s3, e3 = intervals
-    jr = tl.arange(0, INTERVALS_POW2)
-    hlo, hhi, clo, chi = _no_bounds(INTERVALS_POW2)
-    hlo, hhi, clo, chi = _fold_bounds(hlo, hhi, clo, chi, s0, e0, row_ok, jr, 0)
+    parts = _no_bounds(s0.shape[0], INTERVALS_POW2)
+    parts = _place_interval(parts, s0, e0, row_ok, 0)
     if NFUNC >= 3:
-        hlo, hhi, clo, chi = _fold_bounds(hlo, hhi, clo, chi, s1, e1, row_ok, jr, 1)
+        parts = _place_interval(parts, s1, e1, row_ok, 1)
     if NFUNC >= 5:
-        hlo, hhi, clo, chi = _fold_bounds(hlo, hhi, clo, chi, s2, e2, row_ok, jr, 2)
+        parts = _place_interval(parts, s2, e2, row_ok, 2)
     if NFUNC >= 7:
-        hlo, hhi, clo, chi = _fold_bounds(hlo, hhi, clo, chi, s3, e3, row_ok, jr, 3)
-    return hlo, hhi, clo, chi
+        parts = _place_interval(parts, s3, e3, row_ok, 3)
+    return _reduce_bounds(parts)
 
 
 @triton.jit
-def visibility_from_intervals(intervals, cols, n0, hlo, hhi, NFUNC: tl.constexpr, INTERVALS_POW2: tl.constexpr,
+def visibility_from_intervals(intervals, rows, cols, n0, hlo, hhi, NFUNC: tl.constexpr, INTERVALS_POW2: tl.constexpr,
                               BLOCK_N: tl.constexpr, TRANS: tl.constexpr):
     """``interval_visibility`` from the tuple of ``load_row_intervals``; intervals whose hull misses
-    the block are skipped."""
+    the block are skipped (one scalar test each)."""
     s0, e0, s1, e1, s2, e2, s3, e3 = intervals
     meets = _meets_block(hlo, hhi, n0, BLOCK_N, INTERVALS_POW2)
-    vis = _inside(s0, e0, cols, TRANS) & ((meets & 1) != 0)
+    vis = _nothing_visible(rows, cols, TRANS)
+    if (meets & 1) != 0:
+        vis = vis | _inside(s0, e0, cols, TRANS, True)
     # Nested on purpose: the outer test is a constexpr (resolved at compile time), the inner one a runtime branch.
     if NFUNC >= 3:  # noqa: SIM102
         if (meets & 2) != 0:
-            vis = vis | _inside(s1, e1, cols, TRANS)
+            vis = vis | _inside(s1, e1, cols, TRANS, False)
     if NFUNC >= 5:  # noqa: SIM102
         if (meets & 4) != 0:
-            vis = vis | _inside(s2, e2, cols, TRANS)
+            vis = vis | _inside(s2, e2, cols, TRANS, False)
     if NFUNC >= 7:  # noqa: SIM102
         if (meets & 8) != 0:
-            vis = vis | _inside(s3, e3, cols, TRANS)
+            vis = vis | _inside(s3, e3, cols, TRANS, False)
     return vis
 
 

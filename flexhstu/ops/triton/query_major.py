@@ -74,7 +74,7 @@ def query_major_walk(acc, q, do, K, V, func, rule, h, seq, seq_start, L, m0, row
             if not block_is_full(n0, tl.minimum(n0 + BLOCK_N, L), clo, chi):
                 cols = n0 + tl.arange(0, BLOCK_N)
                 if INTERVALS_IN_REGISTERS:
-                    vis = visibility_from_intervals(intervals=intervals, cols=cols, n0=n0, hlo=hlo, hhi=hhi,
+                    vis = visibility_from_intervals(intervals=intervals, rows=rows, cols=cols, n0=n0, hlo=hlo, hhi=hhi,
                                                     NFUNC=NFUNC, INTERVALS_POW2=INTERVALS_POW2, BLOCK_N=BLOCK_N,
                                                     TRANS=False)
                 else:

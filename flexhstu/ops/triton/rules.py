@@ -54,11 +54,20 @@ def fixed_first_ge(v, L, off, max_id, HAS_TARGETS: tl.constexpr):
 
 
 @triton.jit
+def _fixed_window(cur, L, off, max_id, rule, HAS_TARGETS: tl.constexpr):
+    """Interval A of the fixed rule for rows of id ``cur``: ``[0 or window start, first_ge(cur))``."""
+    end = fixed_first_ge(cur, L, off, max_id, HAS_TARGETS)
+    windowed = (rule.window > 0) & ~((rule.min_full > 0) & (cur >= max_id - rule.min_full))
+    start = tl.where(windowed, fixed_first_ge(cur - rule.window, L, off, max_id, HAS_TARGETS), 0)
+    return start, end
+
+
+@triton.jit
 def fixed_interval(rows, L, j: tl.constexpr, targets, rule, HAS_TARGETS: tl.constexpr):
     """The fixed rule in closed form (as masks.fixed): row i sees C u A u {i}.
 
     j = 0: C = [0, first_ge(max_id)) for contextual rows; j = 1: A = [0 or
-    window start, first_ge(ids(i))); j = 2: {i}.
+    window start, first_ge(ids(i))); j = 2: {i} when A does not hold i, else empty.
     """
     off = tl.maximum(rule.contextual - 1, 0)
     max_id = L - off - targets
@@ -68,12 +77,14 @@ def fixed_interval(rows, L, j: tl.constexpr, targets, rule, HAS_TARGETS: tl.cons
         contextual_row = (rule.contextual > 0) & (cur == 0)
         end = tl.where(contextual_row, fixed_first_ge(max_id + tl.zeros_like(rows), L, off, max_id, HAS_TARGETS), 0)
     elif j == 1:
-        end = fixed_first_ge(cur, L, off, max_id, HAS_TARGETS)
-        windowed = (rule.window > 0) & ~((rule.min_full > 0) & (cur >= max_id - rule.min_full))
-        start = tl.where(windowed, fixed_first_ge(cur - rule.window, L, off, max_id, HAS_TARGETS), 0)
+        start, end = _fixed_window(cur, L, off, max_id, rule, HAS_TARGETS)
     else:
-        start = rows
-        end = rows + 1
+        # {i}, unless the row's interval 1 already holds i (every row but a target row past its window):
+        # then empty, so its hull stays empty and masking never evaluates it.
+        s1, e1 = _fixed_window(cur, L, off, max_id, rule, HAS_TARGETS)
+        covered = (s1 <= rows) & (rows < e1)
+        start = tl.where(covered, 0, rows)
+        end = tl.where(covered, 0, rows + 1)
     return start, end
 
 
