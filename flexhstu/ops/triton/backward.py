@@ -130,23 +130,30 @@ def hstu_backward_dkdv_kernel(
                 s = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * alpha  # (BLOCK_N, BLOCK_M): S^T
                 sig = sigmoid(s, FAST_SIGMOID)
                 p = s * sig
-                dp = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-                ds = dp * sig * (1.0 + s * (1.0 - sig))
-                if not block_is_full(n0, n1, clo, chi):
-                    # Intervals are re-read here rather than held in registers: along this kernel's
-                    # transposed tile a row vector costs ~16 registers a thread (measured slower).
-                    vis = interval_visibility(func=func_h, targets=targets, rule=rule, rows=rows, rows_g=rows_g,
-                                              row_ok=row_ok, L=L, cols=cols, n0=n0, hlo=hlo, hhi=hhi, NFUNC=NFUNC,
-                                              MODE=MODE, HAS_TARGETS=HAS_TARGETS, INTERVALS_POW2=INTERVALS_POW2,
-                                              BLOCK_N=BLOCK_N, TRANS=True)
-                    p = tl.where(vis, p, 0.0)
-                    ds = tl.where(vis, ds, 0.0)
+                dsilu = sig * (1.0 + s * (1.0 - sig))
                 if HAS_ATTN_SCALE:
                     row_scale = tl.load(ATTN_SCALE + rows_g, mask=row_ok, other=0.0)[None, :]
                     p = p * row_scale
-                    ds = ds * row_scale
-                acc_v += tl.dot(p.to(do.dtype), do, input_precision=DOT_PRECISION)
-                acc_k += tl.dot(ds.to(q.dtype), q, input_precision=DOT_PRECISION)
+                    dsilu = dsilu * row_scale
+                # Both operands of the coming dots are cast now, before dP is computed: fewer registers live
+                # at once (s and sig die here), which keeps this kernel from spilling.
+                p = p.to(do.dtype)
+                dp = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+                ds = (dp * dsilu).to(q.dtype)
+                if not block_is_full(n0, n1, clo, chi):
+                    # Intervals are re-read here rather than held in registers: along this kernel's
+                    # transposed tile a row vector costs ~16 registers a thread (measured slower).
+                    if MODE == MODE_CAUSAL:
+                        vis = cols[:, None] <= rows[None, :]
+                    else:
+                        vis = interval_visibility(func=func_h, targets=targets, rule=rule, rows=rows, rows_g=rows_g,
+                                                  row_ok=row_ok, L=L, cols=cols, n0=n0, hlo=hlo, hhi=hhi,
+                                                  NFUNC=NFUNC, MODE=MODE, HAS_TARGETS=HAS_TARGETS,
+                                                  INTERVALS_POW2=INTERVALS_POW2, BLOCK_N=BLOCK_N, TRANS=True)
+                    p = tl.where(vis, p, 0.0)
+                    ds = tl.where(vis, ds, 0.0)
+                acc_v += tl.dot(p, do, input_precision=DOT_PRECISION)
+                acc_k += tl.dot(ds, q, input_precision=DOT_PRECISION)
             dk_ptrs = tile_ptrs(DK, cols_g, h, TILE_QK)
             dv_ptrs = tile_ptrs(DV, cols_g, h, TILE_V)
             dk_mask = tile_mask(col_ok, DIM_QK, TILE_QK)
