@@ -10,7 +10,7 @@ from ..._errors import bad_value
 from .args import jagged
 from .backward import hstu_backward_dkdv_kernel, hstu_backward_dq_kernel
 from .block_plan import BlockPlan, Visibility
-from .config import tiles
+from .config import Tiles, tiles
 from .debug import poisoning
 from .forward import hstu_forward_kernel
 from .limits import MAX_HEAD_DIM, MIN_HEAD_DIM, head_dim_supported, tile_dim
@@ -55,17 +55,24 @@ def _scale_args(attn_scale: torch.Tensor | None, offs: torch.Tensor) -> dict:
     return dict(ATTN_SCALE=offs if attn_scale is None else attn_scale, HAS_ATTN_SCALE=attn_scale is not None)
 
 
+def call_tiles(q: torch.Tensor, v: torch.Tensor) -> Tiles:
+    """The tiles of one call (defaults for its head dims, or a ``tile_override`` in force), read once when the
+    call starts and carried to its backward, which autograd may run on another thread."""
+    return tiles(tile_dim(q.shape[2]), tile_dim(v.shape[2]), _interpreting())
+
+
 def forward(q, k, v, offs, vis: Visibility, alpha: float, out_scale: float,
-            attn_scale: torch.Tensor | None = None, plan: BlockPlan | None = None) -> torch.Tensor:
+            attn_scale: torch.Tensor | None = None, plan: BlockPlan | None = None,
+            tile_set: Tiles | None = None) -> torch.Tensor:
     """``out_scale`` scales every row; with ``attn_scale`` (float32 ``(total,)``) row ``t`` is scaled by
-    ``attn_scale[t]`` instead."""
+    ``attn_scale[t]`` instead. ``tile_set``: the call's tiles (``call_tiles`` when None)."""
     q, k, v = _last_dim_contiguous(q, k, v)
-    total, nheads, dqk = q.shape
+    total, nheads, _ = q.shape
     out = _new_like(q, total, nheads, v.shape[2])
     if total == 0:
         return out
     interpreting = _interpreting()
-    tile = tiles(tile_dim(dqk), tile_dim(v.shape[2]), interpreting).forward
+    tile = (tile_set or call_tiles(q, v)).forward
     plan = plan if plan is not None else BlockPlan(offs, total, vis)
     qtab, nqb = plan.tables.table(tile.block_m)
     hstu_forward_kernel[(nqb, nheads)](
@@ -77,14 +84,14 @@ def forward(q, k, v, offs, vis: Visibility, alpha: float, out_scale: float,
 
 
 def backward(dout, q, k, v, offs, vis: Visibility, alpha: float, out_scale: float, max_seq_len: int,
-             attn_scale: torch.Tensor | None = None, plan: BlockPlan | None = None):
+             attn_scale: torch.Tensor | None = None, plan: BlockPlan | None = None, tile_set: Tiles | None = None):
     dout, q, k, v = _last_dim_contiguous(dout, q, k, v)
-    total, nheads, dqk = q.shape
+    total, nheads, _ = q.shape
     dq = _new_like(q)
     if total == 0:
         return dq, _new_like(k), _new_like(v)
     interpreting = _interpreting()
-    _, tq, tkv = tiles(tile_dim(dqk), tile_dim(v.shape[2]), interpreting)
+    _, tq, tkv = tile_set or call_tiles(q, v)
     args = _attention_args(q, k, v, offs, vis, alpha, interpreting)
     args.update(_scale_args(attn_scale, offs))
     scale = 1.0 if attn_scale is not None else out_scale  # attn_scale replaces out_scale, row by row
@@ -171,16 +178,18 @@ class _HstuAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, offs, func, num_targets, attn_scale, plan, alpha, out_scale, max_seq_len):
-        out = forward(q, k, v, offs, plan.vis, alpha, out_scale, attn_scale, plan)
+        tile_set = call_tiles(q, v)
+        out = forward(q, k, v, offs, plan.vis, alpha, out_scale, attn_scale, plan, tile_set)
         ctx.save_for_backward(q, k, v, offs, func, num_targets, attn_scale)  # the mask too: what backward reads
-        ctx.rest = (plan, alpha, out_scale, max_seq_len)
+        ctx.rest = (plan, alpha, out_scale, max_seq_len, tile_set)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, offs, _, _, attn_scale = ctx.saved_tensors
-        plan, alpha, out_scale, max_seq_len = ctx.rest
-        dq, dk, dv = backward(dout, q, k, v, offs, plan.vis, alpha, out_scale, max_seq_len, attn_scale, plan)
+        plan, alpha, out_scale, max_seq_len, tile_set = ctx.rest
+        dq, dk, dv = backward(dout, q, k, v, offs, plan.vis, alpha, out_scale, max_seq_len, attn_scale, plan,
+                              tile_set)
         return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
