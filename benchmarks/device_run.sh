@@ -37,7 +37,7 @@ for s in $stages; do
            python3 tools/models_table.py /tmp/seeds > "$OUT/seeds-table.md" 2>&1
            tar czf "$OUT/seeds-runs.tgz" --exclude='*.pt' -C /tmp seeds ;;
     profile) run profile 200 python3 benchmarks/time_split.py ;;
-    sweep) run sweep 240 python3 benchmarks/sweep.py ;;
+    sweep) run sweep 420 python3 benchmarks/sweep.py --jobs 14 --json "$OUT/sweep.json" ${SWEEP_ARGS:-} ;;
     *) echo "unknown stage $s" ;;
   esac
 done
