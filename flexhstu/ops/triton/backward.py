@@ -19,6 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .bias import add_bias, bias_cols, bias_grad, bias_rows, query_major_bias, tile_buckets
 from .memory import load_rows, tile_mask, tile_ptrs
 from .plan import block_is_full, interval_visibility
 from .query_major import query_major_program
@@ -30,14 +31,17 @@ from .tables import first_block, locate_block
 @triton.jit
 def dq_block(q, do, K, V, h, seq_start, L, n0, rows, alpha, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr,
              DIM_V: tl.constexpr, TILE_QK: tl.constexpr, TILE_V: tl.constexpr, CAUSAL_MASK: tl.constexpr,
-             FAST_SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr):
+             FAST_SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr, BIAS=None, BROWS=None,
+             HAS_BIAS: tl.constexpr = False):
     """Key block ``n0``: ``(dS / c, k)`` with ``dS / c = (do v^T) silu'(s)``, zeroed above the diagonal
-    when CAUSAL_MASK."""
+    when CAUSAL_MASK; ``s`` includes the relative bias when HAS_BIAS (as ``attend``)."""
     cols = n0 + tl.arange(0, BLOCK_N)
     col_ok = cols < L
     k = load_rows(K, seq_start + cols, col_ok, h, DIM_QK, TILE_QK)
     v = load_rows(V, seq_start + cols, col_ok, h, DIM_V, TILE_V)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * alpha
+    if HAS_BIAS:
+        s = query_major_bias(s, BIAS, BROWS, h, seq_start, L, rows, cols, n0)
     sig = sigmoid(s, FAST_SIGMOID)
     ds = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION) * sig * (1.0 + s * (1.0 - sig))
     if CAUSAL_MASK:
@@ -54,16 +58,18 @@ def hstu_backward_dq_kernel(
     FAST_SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr, DIM_V: tl.constexpr,
     TILE_QK: tl.constexpr, TILE_V: tl.constexpr,
+    BIAS=None, HAS_BIAS: tl.constexpr = False,
 ):
     """``Q``, ``K``, ``DQ``: ``Jagged (total, H, DIM_QK)``; ``V``, ``DO``: ``Jagged (total, H, DIM_V)``;
     ``ATTN_SCALE``: float32 ``(total,)``, each query row's factor of dS (read when HAS_ATTN_SCALE);
+    ``BIAS``: ``bias.Bias``, added to the scores when HAS_BIAS (its gradients come from the dK/dV kernel);
     grid ``(n_flat, H)``."""
     query_major_program(
         Q=Q, DO=DO, K=K, V=V, OUT=DQ, func=func, rule=rule, OFFS=OFFS, QTAB=QTAB, n_flat=n_flat, alpha=alpha,
         out_scale=dq_scale, ROW_SCALE=ATTN_SCALE, HAS_ROW_SCALE=HAS_ATTN_SCALE, BLOCK_FN=dq_block, WITH_DO=True,
         NFUNC=NFUNC, MODE=MODE, HAS_TARGETS=HAS_TARGETS, INTERVALS_POW2=INTERVALS_POW2, FAST_SIGMOID=FAST_SIGMOID,
         DOT_PRECISION=DOT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK,
-        TILE_V=TILE_V)
+        TILE_V=TILE_V, BIAS=BIAS, HAS_BIAS=HAS_BIAS)
 
 
 @triton.jit
@@ -76,10 +82,13 @@ def hstu_backward_dkdv_kernel(
     FAST_SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr, DIM_V: tl.constexpr,
     TILE_QK: tl.constexpr, TILE_V: tl.constexpr,
+    BIAS=None, HAS_BIAS: tl.constexpr = False, BIAS_GRAD: tl.constexpr = False,
 ):
     """One program per (key block, split, head); ``BOUNDS``, ``QLO``, ``QHI``: ``_plan_kernel``'s
     output (unused under MODE_CAUSAL); ``plan_head`` is 1 when the plan has one row per head;
-    ``ATTN_SCALE``: float32 ``(total,)``, each query row's factor of A and dS (read when HAS_ATTN_SCALE)."""
+    ``ATTN_SCALE``: float32 ``(total,)``, each query row's factor of A and dS (read when HAS_ATTN_SCALE).
+    ``BIAS``: ``bias.Bias``, added to the scores when HAS_BIAS; with BIAS_GRAD each tile's ``dS`` is also
+    reduced into the tables' gradient buffers (``bias.bias_grad``)."""
     pid = tl.program_id(0)
     kflat = pid // n_split
     split = pid % n_split
@@ -112,6 +121,8 @@ def hstu_backward_dkdv_kernel(
             q_flat = first_block(OFFS, seq, BLOCK_M)
             acc_k = tl.zeros((BLOCK_N, TILE_QK), dtype=tl.float32)
             acc_v = tl.zeros((BLOCK_N, TILE_V), dtype=tl.float32)
+            if HAS_BIAS:
+                bi, bmin, bmax, base_b = bias_cols(BIAS, seq_start, L, cols, n0)
             for qb in range(lo, hi):
                 m0 = qb * BLOCK_M
                 rows = m0 + tl.arange(0, BLOCK_M)
@@ -128,6 +139,11 @@ def hstu_backward_dkdv_kernel(
                     clo = tl.load(b + 2 * INTERVALS_POW2)
                     chi = tl.load(b + 3 * INTERVALS_POW2)
                 s = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * alpha  # (BLOCK_N, BLOCK_M): S^T
+                if HAS_BIAS:
+                    ai, amin, amax, base_a = bias_rows(BIAS, seq_start, L, rows, m0)
+                    d = base_a - base_b
+                    b_lo, b_hi = tile_buckets(BIAS, amin, amax, bmin, bmax, d)
+                    s = add_bias(s, BIAS, h, rows, cols, ai, bi, d, b_lo, b_hi, True)
                 sig = sigmoid(s, FAST_SIGMOID)
                 p = s * sig
                 dsilu = sig * (1.0 + s * (1.0 - sig))
@@ -152,6 +168,8 @@ def hstu_backward_dkdv_kernel(
                                                   INTERVALS_POW2=INTERVALS_POW2, BLOCK_N=BLOCK_N, TRANS=True)
                     p = tl.where(vis, p, 0.0)
                     ds = tl.where(vis, ds, 0.0)
+                if BIAS_GRAD:
+                    bias_grad(BIAS, h, ds, rows, cols, ai, bi, d, b_lo, b_hi, dv_scale, DOT_PRECISION, True)
                 acc_v += tl.dot(p, do, input_precision=DOT_PRECISION)
                 acc_k += tl.dot(ds, q, input_precision=DOT_PRECISION)
             dk_ptrs = tile_ptrs(DK, cols_g, h, TILE_QK)

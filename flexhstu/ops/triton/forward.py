@@ -5,6 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .bias import query_major_bias
 from .memory import load_rows
 from .query_major import query_major_program
 from .silu import sigmoid
@@ -13,16 +14,20 @@ from .silu import sigmoid
 @triton.jit
 def attend(q, do, K, V, h, seq_start, L, n0, rows, alpha, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr,
            DIM_V: tl.constexpr, TILE_QK: tl.constexpr, TILE_V: tl.constexpr, CAUSAL_MASK: tl.constexpr,
-           FAST_SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Key block ``n0``: ``(silu(alpha q k^T), v)``, the silu zeroed above the diagonal when CAUSAL_MASK.
+           FAST_SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr, BIAS=None, BROWS=None,
+           HAS_BIAS: tl.constexpr = False):
+    """Key block ``n0``: ``(silu(alpha q k^T [+ bias]), v)``, the silu zeroed above the diagonal when CAUSAL_MASK.
 
-    ``do`` is unused (the dQ kernel's block function takes it).
+    ``do`` is unused (the dQ kernel's block function takes it). With HAS_BIAS the relative bias
+    (``BIAS``: ``bias.Bias``; ``BROWS``: the program's ``bias_rows``) is added to the scores.
     """
     cols = n0 + tl.arange(0, BLOCK_N)
     col_ok = cols < L
     k = load_rows(K, seq_start + cols, col_ok, h, DIM_QK, TILE_QK)
     v = load_rows(V, seq_start + cols, col_ok, h, DIM_V, TILE_V)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * alpha
+    if HAS_BIAS:
+        s = query_major_bias(s, BIAS, BROWS, h, seq_start, L, rows, cols, n0)
     p = s * sigmoid(s, FAST_SIGMOID)
     if CAUSAL_MASK:
         p = tl.where(cols[None, :] <= rows[:, None], p, 0.0)
@@ -38,13 +43,15 @@ def hstu_forward_kernel(
     FAST_SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr, DIM_V: tl.constexpr,
     TILE_QK: tl.constexpr, TILE_V: tl.constexpr,
+    BIAS=None, HAS_BIAS: tl.constexpr = False,
 ):
     """``Q``, ``K``: ``Jagged (total, H, DIM_QK)``; ``V``, ``OUT``: ``Jagged (total, H, DIM_V)``;
     ``func``: ``Func``; ``rule``: ``FixedRule``; ``ATTN_SCALE``: float32 ``(total,)``, each output row's
-    factor (read when HAS_ATTN_SCALE); grid ``(n_flat, H)``."""
+    factor (read when HAS_ATTN_SCALE); ``BIAS``: ``bias.Bias``, added to the scores when HAS_BIAS;
+    grid ``(n_flat, H)``."""
     query_major_program(
         Q=Q, DO=Q, K=K, V=V, OUT=OUT, func=func, rule=rule, OFFS=OFFS, QTAB=QTAB, n_flat=n_flat, alpha=alpha,
         out_scale=out_scale, ROW_SCALE=ATTN_SCALE, HAS_ROW_SCALE=HAS_ATTN_SCALE, BLOCK_FN=attend, WITH_DO=False,
         NFUNC=NFUNC, MODE=MODE, HAS_TARGETS=HAS_TARGETS, INTERVALS_POW2=INTERVALS_POW2, FAST_SIGMOID=FAST_SIGMOID,
         DOT_PRECISION=DOT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK,
-        TILE_V=TILE_V)
+        TILE_V=TILE_V, BIAS=BIAS, HAS_BIAS=HAS_BIAS)

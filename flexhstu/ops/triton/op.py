@@ -7,6 +7,8 @@ import os
 import torch
 
 from ..._errors import bad_value
+from ..bias import RelativeBias
+from . import bias as kbias
 from .args import jagged
 from .backward import hstu_backward_dkdv_kernel, hstu_backward_dq_kernel
 from .block_plan import BlockPlan, Visibility
@@ -55,6 +57,11 @@ def _scale_args(attn_scale: torch.Tensor | None, offs: torch.Tensor) -> dict:
     return dict(ATTN_SCALE=offs if attn_scale is None else attn_scale, HAS_ATTN_SCALE=attn_scale is not None)
 
 
+def _bias_args(bias: kbias.Prepared | None) -> dict:
+    """The relative bias's kernel arguments (none without one: the kernels compile as before)."""
+    return {} if bias is None else dict(BIAS=bias.args, HAS_BIAS=True)
+
+
 def call_tiles(q: torch.Tensor, v: torch.Tensor) -> Tiles:
     """The tiles of one call (defaults for its head dims, or a ``tile_override`` in force), read once when the
     call starts and carried to its backward, which autograd may run on another thread."""
@@ -63,9 +70,10 @@ def call_tiles(q: torch.Tensor, v: torch.Tensor) -> Tiles:
 
 def forward(q, k, v, offs, vis: Visibility, alpha: float, out_scale: float,
             attn_scale: torch.Tensor | None = None, plan: BlockPlan | None = None,
-            tile_set: Tiles | None = None) -> torch.Tensor:
+            tile_set: Tiles | None = None, bias: kbias.Prepared | None = None) -> torch.Tensor:
     """``out_scale`` scales every row; with ``attn_scale`` (float32 ``(total,)``) row ``t`` is scaled by
-    ``attn_scale[t]`` instead. ``tile_set``: the call's tiles (``call_tiles`` when None)."""
+    ``attn_scale[t]`` instead. ``tile_set``: the call's tiles (``call_tiles`` when None). ``bias``: a
+    relative bias (``bias.prepare``) added to the scores."""
     q, k, v = _last_dim_contiguous(q, k, v)
     total, nheads, _ = q.shape
     out = _new_like(q, total, nheads, v.shape[2])
@@ -77,14 +85,17 @@ def forward(q, k, v, offs, vis: Visibility, alpha: float, out_scale: float,
     qtab, nqb = plan.tables.table(tile.block_m)
     hstu_forward_kernel[(nqb, nheads)](
         **_attention_args(q, k, v, offs, vis, alpha, interpreting), **tile.launch(),
-        **_scale_args(attn_scale, offs), OUT=jagged(out), QTAB=qtab, n_flat=nqb,
+        **_scale_args(attn_scale, offs), **_bias_args(bias), OUT=jagged(out), QTAB=qtab, n_flat=nqb,
         out_scale=1.0 if attn_scale is not None else out_scale,
     )
     return out
 
 
 def backward(dout, q, k, v, offs, vis: Visibility, alpha: float, out_scale: float, max_seq_len: int,
-             attn_scale: torch.Tensor | None = None, plan: BlockPlan | None = None, tile_set: Tiles | None = None):
+             attn_scale: torch.Tensor | None = None, plan: BlockPlan | None = None, tile_set: Tiles | None = None,
+             bias: kbias.Prepared | None = None):
+    """dq, dk, dv; with ``bias`` the scores include it, and when its gradient buffers are allocated
+    (``bias.prepare(with_grads=True)``) the dK/dV kernel adds the tables' gradients into them."""
     dout, q, k, v = _last_dim_contiguous(dout, q, k, v)
     total, nheads, _ = q.shape
     dq = _new_like(q)
@@ -98,7 +109,7 @@ def backward(dout, q, k, v, offs, vis: Visibility, alpha: float, out_scale: floa
     plan = plan if plan is not None else BlockPlan(offs, total, vis)
     qtab, nqb = plan.tables.table(tq.block_m)
     hstu_backward_dq_kernel[(nqb, nheads)](
-        **args, **tq.launch(),
+        **args, **tq.launch(), **_bias_args(bias),
         DO=jagged(dout), DQ=jagged(dq), QTAB=qtab, n_flat=nqb, dq_scale=alpha * scale,
     )
     # Key-major pass: its query blocks (BLOCK_M) and key blocks (BLOCK_N) index the plan.
@@ -116,8 +127,11 @@ def backward(dout, q, k, v, offs, vis: Visibility, alpha: float, out_scale: floa
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     else:
         dk, dv = _new_like(k), _new_like(v)
+    bias_kv = _bias_args(bias)
+    if bias is not None and bias.args.dpos.numel():
+        bias_kv["BIAS_GRAD"] = True
     hstu_backward_dkdv_kernel[(km.n_kblocks * n_split, nheads)](
-        **args, **tkv.launch(),
+        **args, **tkv.launch(), **bias_kv,
         DO=jagged(dout), DK=jagged(dk), DV=jagged(dv), KTAB=km.ktab, BOUNDS=km.bounds, QLO=km.qlo, QHI=km.qhi,
         plan_head=1 if vis.per_head() else 0, n_qblocks=km.n_qblocks, n_kblocks=km.n_kblocks, n_split=n_split,
         chunk=chunk, dk_scale=alpha * scale, dv_scale=scale,
@@ -125,18 +139,35 @@ def backward(dout, q, k, v, offs, vis: Visibility, alpha: float, out_scale: floa
     return dq, dk, dv
 
 
+def _prepared(q: torch.Tensor, offs: torch.Tensor, pos_w, ts_w, timestamps, with_grads: bool):
+    """The kernels' relative bias (None without one, or for an empty batch)."""
+    if pos_w is None or q.shape[0] == 0:
+        return None
+    return kbias.prepare(RelativeBias(pos_w, ts_w, timestamps), offs, q.shape[0], with_grads)
+
+
+def _table_grads(pos_w, ts_w, timestamps, prep) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tables' gradients (zeros for an empty batch)."""
+    if prep is None:
+        return torch.zeros_like(pos_w), torch.zeros_like(ts_w)
+    return kbias.table_grads(RelativeBias(pos_w, ts_w, timestamps), prep)
+
+
 @torch.library.custom_op("flexhstu::hstu_mha_fwd", mutates_args=())
 def hstu_mha_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offsets: torch.Tensor,
                  func: torch.Tensor | None, num_targets: torch.Tensor | None, attn_scale: torch.Tensor | None,
                  mode: int, contextual: int, window: int, min_full: int, alpha: float, out_scale: float,
-                 max_seq_len: int) -> torch.Tensor:
+                 max_seq_len: int, pos_w: torch.Tensor | None = None, ts_w: torch.Tensor | None = None,
+                 timestamps: torch.Tensor | None = None) -> torch.Tensor:
+    """``pos_w``, ``ts_w``, ``timestamps``: a relative bias (``flexhstu.ops.bias.RelativeBias``), or three Nones."""
     vis = Visibility(mode, func, num_targets, contextual, window, min_full)
-    return forward(q, k, v, seq_offsets, vis, alpha, out_scale, attn_scale)
+    bias = _prepared(q, seq_offsets, pos_w, ts_w, timestamps, with_grads=False)
+    return forward(q, k, v, seq_offsets, vis, alpha, out_scale, attn_scale, bias=bias)
 
 
 @hstu_mha_fwd.register_fake
 def _(q, k, v, seq_offsets, func, num_targets, attn_scale, mode, contextual, window, min_full, alpha, out_scale,
-      max_seq_len):
+      max_seq_len, pos_w=None, ts_w=None, timestamps=None):
     return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
 
 
@@ -144,15 +175,26 @@ def _(q, k, v, seq_offsets, func, num_targets, attn_scale, mode, contextual, win
 def hstu_mha_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offsets: torch.Tensor,
                  func: torch.Tensor | None, num_targets: torch.Tensor | None, attn_scale: torch.Tensor | None,
                  mode: int, contextual: int, window: int, min_full: int, alpha: float, out_scale: float,
-                 max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 max_seq_len: int, pos_w: torch.Tensor | None = None, ts_w: torch.Tensor | None = None,
+                 timestamps: torch.Tensor | None = None, table_grads: bool = False,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv and the gradients of ``pos_w`` and ``ts_w`` (with ``table_grads``; else empty tensors)."""
     vis = Visibility(mode, func, num_targets, contextual, window, min_full)
-    return backward(dout, q, k, v, seq_offsets, vis, alpha, out_scale, max_seq_len, attn_scale)
+    bias = _prepared(q, seq_offsets, pos_w, ts_w, timestamps, with_grads=table_grads)
+    dq, dk, dv = backward(dout, q, k, v, seq_offsets, vis, alpha, out_scale, max_seq_len, attn_scale, bias=bias)
+    if pos_w is None or not table_grads:
+        return dq, dk, dv, q.new_empty(0), q.new_empty(0)
+    return dq, dk, dv, *_table_grads(pos_w, ts_w, timestamps, bias)
 
 
 @hstu_mha_bwd.register_fake
 def _(dout, q, k, v, seq_offsets, func, num_targets, attn_scale, mode, contextual, window, min_full, alpha,
-      out_scale, max_seq_len):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+      out_scale, max_seq_len, pos_w=None, ts_w=None, timestamps=None, table_grads=False):
+    if pos_w is None or not table_grads:
+        tables = (q.new_empty(0), q.new_empty(0))
+    else:
+        tables = (torch.empty_like(pos_w), torch.empty_like(ts_w))
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), *tables
 
 
 _NO_GRADS = (None,) * 11  # seq_offsets .. max_seq_len
@@ -160,13 +202,18 @@ _NO_GRADS = (None,) * 11  # seq_offsets .. max_seq_len
 
 def _setup_context(ctx, inputs, output):
     q, k, v, seq_offsets, func, num_targets, attn_scale, *rest = inputs
-    ctx.save_for_backward(q, k, v, seq_offsets, func, num_targets, attn_scale)
+    *rest, pos_w, ts_w, timestamps = rest
+    ctx.save_for_backward(q, k, v, seq_offsets, func, num_targets, attn_scale, pos_w, ts_w, timestamps)
     ctx.rest = rest
 
 
 def _backward(ctx, dout):
-    dq, dk, dv = hstu_mha_bwd(dout, *ctx.saved_tensors, *ctx.rest)
-    return dq, dk, dv, *_NO_GRADS
+    table_grads = ctx.saved_tensors[7] is not None and (ctx.needs_input_grad[14] or ctx.needs_input_grad[15])
+    dq, dk, dv, dpos, dts = hstu_mha_bwd(dout, *ctx.saved_tensors[:7], *ctx.rest, *ctx.saved_tensors[7:],
+                                         table_grads)
+    if not table_grads:
+        dpos = dts = None
+    return dq, dk, dv, *_NO_GRADS, dpos, dts, None
 
 
 hstu_mha_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -174,23 +221,32 @@ hstu_mha_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 class _HstuAttention(torch.autograd.Function):
     """Eager path: the same forward/backward as the custom ops, without the op dispatch layer, with one
-    block plan (given, or built here) shared by the forward and the backward."""
+    block plan (given, or built here) shared by the forward and the backward; a relative bias's kernel
+    tables, made once in the forward, serve the backward too."""
 
     @staticmethod
-    def forward(ctx, q, k, v, offs, func, num_targets, attn_scale, plan, alpha, out_scale, max_seq_len):
+    def forward(ctx, q, k, v, offs, func, num_targets, attn_scale, plan, alpha, out_scale, max_seq_len,
+                pos_w=None, ts_w=None, timestamps=None):
         tile_set = call_tiles(q, v)
-        out = forward(q, k, v, offs, plan.vis, alpha, out_scale, attn_scale, plan, tile_set)
+        bias = _prepared(q, offs, pos_w, ts_w, timestamps, with_grads=False)
+        out = forward(q, k, v, offs, plan.vis, alpha, out_scale, attn_scale, plan, tile_set, bias)
         ctx.save_for_backward(q, k, v, offs, func, num_targets, attn_scale)  # the mask too: what backward reads
-        ctx.rest = (plan, alpha, out_scale, max_seq_len, tile_set)
+        ctx.rest = (plan, alpha, out_scale, max_seq_len, tile_set, bias, (pos_w, ts_w, timestamps))
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, offs, _, _, attn_scale = ctx.saved_tensors
-        plan, alpha, out_scale, max_seq_len, tile_set = ctx.rest
+        plan, alpha, out_scale, max_seq_len, tile_set, bias, tables = ctx.rest
+        table_grads = tables[0] is not None and (ctx.needs_input_grad[11] or ctx.needs_input_grad[12])
+        if bias is not None and table_grads:
+            bias = kbias.with_grad_buffers(bias)
         dq, dk, dv = backward(dout, q, k, v, offs, plan.vis, alpha, out_scale, max_seq_len, attn_scale, plan,
-                              tile_set)
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+                              tile_set, bias)
+        dpos = dts = None
+        if table_grads:
+            dpos, dts = _table_grads(*tables, bias)
+        return dq, dk, dv, None, None, None, None, None, None, None, None, dpos, dts, None
 
 
 def visibility(func=None, num_targets=None, causal_closed_form=False, contextual=0, window=0,
@@ -224,7 +280,8 @@ def _check_attn_scale(attn_scale: torch.Tensor, total: int, device: torch.device
 def triton_hstu_mha(q, k, v, seq_offsets, *, func=None, num_targets=None, causal_closed_form=False,
                     contextual: int = 0, window: int = 0, min_full: int = 0,
                     alpha: float, out_scale: float, max_seq_len: int,
-                    attn_scale: torch.Tensor | None = None, plan=None) -> torch.Tensor:
+                    attn_scale: torch.Tensor | None = None, plan=None,
+                    rel_bias: RelativeBias | None = None) -> torch.Tensor:
     """Dispatch to the custom op. ``func`` given: the func decides; else causal or the fixed rule in closed form.
 
     q, k: ``(total, H, Dqk)``, v: ``(total, H, Dv)``, any strides (a non-unit last stride costs a copy);
@@ -245,6 +302,10 @@ def triton_hstu_mha(q, k, v, seq_offsets, *, func=None, num_targets=None, causal
 
     ``max_seq_len`` is only a tuning hint (it sizes the split of long key-major ranges): any value,
     0 or smaller than the longest sequence included, gives the same result.
+
+    ``rel_bias``: a ``flexhstu.ops.bias.RelativeBias`` (checked by the caller, ``check_relative_bias``), added
+    to the scores before the silu, computed per tile from its tables (``flexhstu.ops.triton.bias``); the
+    tables get gradients when they require them, the timestamps never.
     """
     for name, d in (("q.shape[2] (Dqk)", q.shape[2]), ("v.shape[2] (Dv)", v.shape[2])):
         if not head_dim_supported(d):
@@ -259,8 +320,9 @@ def triton_hstu_mha(q, k, v, seq_offsets, *, func=None, num_targets=None, causal
         # The kernels read offsets and num_targets as plain int64 / int arrays (no strides): made so here, once.
         block = BlockPlan(seq_offsets.to(torch.int64).contiguous(), q.shape[0], vis)
     offs, vis = block.offs, block.vis
+    tables = (None, None, None) if rel_bias is None else tuple(rel_bias)
     if torch.compiler.is_compiling():
         return hstu_mha_fwd(q, k, v, offs, vis.func, vis.num_targets, attn_scale, vis.mode, vis.contextual,
-                            vis.window, vis.min_full, alpha, out_scale, max_seq_len)
+                            vis.window, vis.min_full, alpha, out_scale, max_seq_len, *tables)
     return _HstuAttention.apply(q, k, v, offs, vis.func, vis.num_targets, attn_scale, block, alpha, out_scale,
-                                max_seq_len)
+                                max_seq_len, *tables)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .bias import bias_rows
 from .memory import load_rows, store_rows
 from .plan import (
     block_bounds,
@@ -34,11 +35,13 @@ def query_major_walk(acc, q, do, K, V, func, rule, h, seq, seq_start, L, m0, row
                      INTERVALS_POW2: tl.constexpr, INTERVALS_IN_REGISTERS: tl.constexpr, FAST_SIGMOID: tl.constexpr,
                      DOT_PRECISION: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr, DIM_V: tl.constexpr,
-                     TILE_QK: tl.constexpr, TILE_V: tl.constexpr):
+                     TILE_QK: tl.constexpr, TILE_V: tl.constexpr, BIAS=None, BROWS=None,
+                     HAS_BIAS: tl.constexpr = False):
     """``acc (BLOCK_M, D)`` plus the contribution of every key block that query block ``m0`` sees.
 
     ``q (BLOCK_M, DIM_QK)`` and ``do (BLOCK_M, DIM_V)`` are the block's tiles (the forward passes ``q``
-    for ``do``, unused); ``K``, ``V``: ``Jagged``.
+    for ``do``, unused); ``K``, ``V``: ``Jagged``. ``BIAS``, ``BROWS``, HAS_BIAS: passed to ``BLOCK_FN``
+    (the relative bias and the program's rows' times).
     """
     if MODE == MODE_CAUSAL:
         # Key blocks wholly at or before the first row need no mask; the rest meet the diagonal.
@@ -47,12 +50,14 @@ def query_major_walk(acc, q, do, K, V, func, rule, h, seq, seq_start, L, m0, row
         for kb in range(0, n_full):
             x, y = BLOCK_FN(q=q, do=do, K=K, V=V, h=h, seq_start=seq_start, L=L, n0=kb * BLOCK_N, rows=rows,
                             alpha=alpha, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK, TILE_V=TILE_V,
-                            CAUSAL_MASK=False, FAST_SIGMOID=FAST_SIGMOID, DOT_PRECISION=DOT_PRECISION)
+                            CAUSAL_MASK=False, FAST_SIGMOID=FAST_SIGMOID, DOT_PRECISION=DOT_PRECISION,
+                            BIAS=BIAS, BROWS=BROWS, HAS_BIAS=HAS_BIAS)
             acc += tl.dot(x.to(y.dtype), y, input_precision=DOT_PRECISION)
         for kb in range(n_full, n_end):
             x, y = BLOCK_FN(q=q, do=do, K=K, V=V, h=h, seq_start=seq_start, L=L, n0=kb * BLOCK_N, rows=rows,
                             alpha=alpha, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK, TILE_V=TILE_V,
-                            CAUSAL_MASK=True, FAST_SIGMOID=FAST_SIGMOID, DOT_PRECISION=DOT_PRECISION)
+                            CAUSAL_MASK=True, FAST_SIGMOID=FAST_SIGMOID, DOT_PRECISION=DOT_PRECISION,
+                            BIAS=BIAS, BROWS=BROWS, HAS_BIAS=HAS_BIAS)
             acc += tl.dot(x.to(y.dtype), y, input_precision=DOT_PRECISION)
     else:
         targets = sequence_targets(rule, seq, HAS_TARGETS)
@@ -70,7 +75,8 @@ def query_major_walk(acc, q, do, K, V, func, rule, h, seq, seq_start, L, m0, row
             n0 = kv_block_at(it, kstart, klen, kcum) * BLOCK_N
             x, y = BLOCK_FN(q=q, do=do, K=K, V=V, h=h, seq_start=seq_start, L=L, n0=n0, rows=rows,
                             alpha=alpha, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK, TILE_V=TILE_V,
-                            CAUSAL_MASK=False, FAST_SIGMOID=FAST_SIGMOID, DOT_PRECISION=DOT_PRECISION)
+                            CAUSAL_MASK=False, FAST_SIGMOID=FAST_SIGMOID, DOT_PRECISION=DOT_PRECISION,
+                            BIAS=BIAS, BROWS=BROWS, HAS_BIAS=HAS_BIAS)
             if not block_is_full(n0, tl.minimum(n0 + BLOCK_N, L), clo, chi):
                 cols = n0 + tl.arange(0, BLOCK_N)
                 if INTERVALS_IN_REGISTERS:
@@ -95,11 +101,13 @@ def query_major_program(Q, DO, K, V, OUT, func, rule, OFFS, QTAB, n_flat, alpha,
                         FAST_SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr,
                         DIM_QK: tl.constexpr, DIM_V: tl.constexpr, TILE_QK: tl.constexpr, TILE_V: tl.constexpr,
-                        ROW_SCALE=None, HAS_ROW_SCALE: tl.constexpr = False):
+                        ROW_SCALE=None, HAS_ROW_SCALE: tl.constexpr = False, BIAS=None,
+                        HAS_BIAS: tl.constexpr = False):
     """One query-major program: locate its query block (last flat blocks first: under causal-like masks
     they carry the most key blocks), load ``q`` (and ``do`` when WITH_DO), walk, store
     ``out_scale * acc`` into ``OUT``: ``(total, H, DIM_QK)`` (dQ) when WITH_DO, else ``(total, H, DIM_V)``;
-    each row also times ``ROW_SCALE[row]`` (float32 ``(total,)``) when HAS_ROW_SCALE."""
+    each row also times ``ROW_SCALE[row]`` (float32 ``(total,)``) when HAS_ROW_SCALE. With HAS_BIAS the
+    rows' times are read once here and ``BIAS`` (``bias.Bias``) is added to every score."""
     OUT_DIM: tl.constexpr = DIM_QK if WITH_DO else DIM_V
     # Register-resident intervals for funcs of up to four intervals (load_row_intervals holds four).
     INTERVALS_IN_REGISTERS: tl.constexpr = NFUNC <= 7
@@ -113,6 +121,7 @@ def query_major_program(Q, DO, K, V, OUT, func, rule, OFFS, QTAB, n_flat, alpha,
         rows_g = seq_start + rows
         q = load_rows(Q, rows_g, row_ok, h, DIM_QK, TILE_QK)
         do = load_rows(DO, rows_g, row_ok, h, DIM_V, TILE_V) if WITH_DO else q
+        brows = bias_rows(BIAS, seq_start, L, rows, m0) if HAS_BIAS else None
         acc = query_major_walk(
             acc=tl.zeros((BLOCK_M, OUT_TILE), dtype=tl.float32), q=q, do=do, K=K, V=V, func=func, rule=rule,
             h=h,
@@ -120,7 +129,7 @@ def query_major_program(Q, DO, K, V, OUT, func, rule, OFFS, QTAB, n_flat, alpha,
             BLOCK_FN=BLOCK_FN, NFUNC=NFUNC, MODE=MODE, HAS_TARGETS=HAS_TARGETS, INTERVALS_POW2=INTERVALS_POW2,
             INTERVALS_IN_REGISTERS=INTERVALS_IN_REGISTERS, FAST_SIGMOID=FAST_SIGMOID, DOT_PRECISION=DOT_PRECISION,
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK,
-            TILE_V=TILE_V)
+            TILE_V=TILE_V, BIAS=BIAS, BROWS=brows, HAS_BIAS=HAS_BIAS)
         acc = acc * out_scale
         if HAS_ROW_SCALE:
             acc = acc * tl.load(ROW_SCALE + rows_g, mask=row_ok, other=0.0)[:, None]

@@ -1,0 +1,375 @@
+"""The relative attention bias in the Triton kernels: read from the two tables per tile, never an N x N tensor.
+
+The rule is ``flexhstu.ops.bias`` (docs/design.md, section 4)::
+
+    bias(i, j) = pos_w[clamp(j - i + P - 1, 0, 2P - 2)] + ts_w[bucket(next_ts(i) - ts(j))]
+
+What is made once per call, on the device, with torch ops (no host read; ``prepare``):
+
+* the **position table**, float32, padded on both sides with copies of its end entries so that every
+  relative position a tile can hold (``|j - i| < total + 256``, the longest sequence plus a block) has
+  its own slot: the kernels index it with ``center + j - i`` and never clamp. ``O(total + P)`` per row
+  of the table. Its gradient buffer has the same shape; ``fold_position_grad`` adds the padding's
+  gradient into the end entries (what the clamp of the rule does);
+* the **time-bucket table**, float32, and its gradient buffer;
+* per jagged row, its event time and its next event time as int32 offsets from the earliest of the
+  row's *chunk* (its sequence's rows ``256 c .. 256 c + 255``), and that chunk minimum as float64 (its
+  ``base``). Every tile's rows lie in one chunk and so do its keys (blocks are powers of two up to
+  ``CHUNK``), so a tile reads int32 vectors and two scalar bases: ``gap = a - b + D`` with
+  ``D = base_rows - base_keys``, exact while a chunk spans less than ``2^31 - 1`` time units (68 years in
+  seconds, 24.8 days in milliseconds; ``prepare`` checks it where it can read the times, CPU tensors, and
+  says so). int32 keeps a tile's per-key time vector at 16 registers where float64 needs 32, which the
+  dK/dV kernel (k, v and both accumulators held throughout) cannot spare;
+* the **bucket edges** (``bucket_edges``): ``E[k]``, the smallest integer gap whose bucket is at least
+  ``k``, found on the host with the reference's own float64 formula (``flexhstu.ops.bias.time_bucket``)
+  and cached per ``num_buckets`` and device, as float64 and as int32 (saturated). ``bucket(g)`` is then
+  the number of edges ``<= |g|``: exact comparisons, equal to the reference for every integer gap
+  (edges above ``2^53`` are held rounded, as the reference's float64 log sees those gaps).
+
+Per tile (``add_bias``): the relative positions index the padded table directly (one load per pair).
+For the time part the tile first bounds its gaps from the min/max of its rows' and keys' times, takes
+the bucket of both ends (``bucket_of``: a float32 log estimate corrected by two edge loads, exact), and
+if the tile spans buckets ``b_lo .. b_hi`` compares each pair with the edges between them only: a tile
+of one bucket (most tiles of time-sorted events away from the diagonal) costs nothing per pair. The
+bias goes straight into the score tile (no second tile held).
+
+Gradients (``bias_grad``, in the key-major dK/dV kernel, which holds ``dS^T`` of each tile): the bias
+gradient of a pair is ``dS`` (the gradient of the pre-silu score, already masked and scaled by the
+output scale). The tile is reduced first, then added atomically into float32 buffers:
+
+* time buckets: the tile's total, and for each edge ``k`` in ``b_lo + 1 .. b_hi`` the sum over pairs with
+  ``|gap| >= E[k]``; bucket ``b`` receives the difference of consecutive sums (one scalar atomic each);
+* positions, a sum along the tile's diagonals (``_diagonal_sums``): the tile is cut into ``G x G``
+  sub-blocks, one matmul with a constant one-hot matrix gives every sub-block's ``2G - 1`` diagonal
+  sums, a second (float32) matmul adds the sub-blocks that lie on the same block diagonal, and the
+  ``(NX + NY - 1) x (2G - 1)`` results are added atomically (about 340 atomics for a 128 x 64 tile,
+  against 8192 for one atomic per pair). The one-hot products are exact: half-precision dS is
+  multiplied exactly with fp32 accumulation, float32 dS uses 3xTF32 (or IEEE dots when TF32 is off).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ..._errors import bad_value
+from ...jagged import can_read_values, row_coords
+from ..bias import RelativeBias, time_bucket
+
+POS_SLACK = 256
+"""Relative positions beyond the longest sequence that a tile can hold: at least the largest block size."""
+
+INT32_SPAN = 2**31 - 1
+"""A chunk's times must span less than this (``max - min < INT32_SPAN``) for its int32 offsets to be exact."""
+INT32_SPAN_F = tl.constexpr(float(INT32_SPAN))
+CHUNK = 256
+"""Rows per chunk of a sequence: a multiple of every block size, so no tile crosses a chunk."""
+
+_EDGES: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def bucket_edges(num_buckets: int) -> list[float]:
+    """``[-1, E_1, ..., E_nb, inf]``: ``E_k`` the smallest non-negative integer gap with ``time_bucket >= k``
+    (``inf`` when no int64 gap reaches bucket ``k``), computed with the reference's float64 formula.
+
+    ``bucket(g)`` = the number of ``k >= 1`` with ``E_k <= |g|`` equals ``time_bucket(g)`` for every integer
+    gap: the formula is non-decreasing in ``|g|`` and each edge is checked against its neighbours.
+    """
+    k = torch.arange(1, num_buckets + 1, dtype=torch.int64)
+    top = 2**62  # bucket(2^62) = 142: no int64 gap reaches a bucket above time_bucket(top)
+    reached = time_bucket(torch.full_like(k, top), num_buckets) >= k
+    # Binary search, all buckets at once: time_bucket(lo) < k <= time_bucket(hi).
+    lo, hi = torch.zeros_like(k), torch.full_like(k, top)
+    for _ in range(63):
+        mid = lo + (hi - lo) // 2
+        up = time_bucket(mid, num_buckets) >= k
+        hi, lo = torch.where(up, mid, hi), torch.where(up, lo, mid)
+    if not bool(((hi - lo <= 1) | ~reached).all()):
+        raise AssertionError("bucket_edges: the binary search did not converge")  # never seen
+    return [-1.0, *(float(e) if ok else math.inf for e, ok in zip(hi.tolist(), reached.tolist())), math.inf]
+
+
+def edges_tensors(num_buckets: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``bucket_edges`` as float64 and as int32 (saturated at ``2^31 - 1``) device tensors ``(num_buckets + 2,)``,
+    made once per (num_buckets, device). The first call for a device copies from the host: make it before
+    capturing a CUDA graph."""
+    key = (num_buckets, torch.device(device))
+    if key not in _EDGES:
+        edges = torch.tensor(bucket_edges(num_buckets), dtype=torch.float64)
+        edges32 = edges.clamp(max=INT32_SPAN).to(torch.int32)
+        _EDGES[key] = (edges.to(device), edges32.to(device))
+    return _EDGES[key]
+
+
+class Bias(NamedTuple):
+    """What the kernels read (a tuple argument, field by field). ``pos`` / ``ts``: float32 ``(Hb, n)`` tables
+    (``*_stride_h`` 0 when shared by the heads); ``pos_center``: the slot of relative position 0;
+    ``edges`` / ``edges32``: ``(num_buckets + 2,)`` float64 / int32; ``time32`` / ``next32``: int32
+    ``(total,)`` offsets of each row's time and next time from ``time_base`` / ``next_base``, float64
+    ``(total,)``, their chunk's minimum; ``dpos`` / ``dts``: float32 gradient buffers shaped like ``pos`` /
+    ``ts`` (zeros; written by the dK/dV kernel) or empty."""
+
+    pos: torch.Tensor
+    pos_stride_h: int
+    pos_center: int
+    ts: torch.Tensor
+    ts_stride_h: int
+    num_buckets: int
+    edges: torch.Tensor
+    edges32: torch.Tensor
+    time32: torch.Tensor
+    time_base: torch.Tensor
+    next32: torch.Tensor
+    next_base: torch.Tensor
+    dpos: torch.Tensor
+    dts: torch.Tensor
+
+
+class Prepared(NamedTuple):
+    """A call's kernel bias and what folding its gradients needs."""
+
+    args: Bias
+    pad: int  # padding slots on each side of the position table
+    n_pos: int  # 2P - 1
+
+
+def _heads(w: torch.Tensor) -> torch.Tensor:
+    """``(Hb, n)`` float32 contiguous (Hb = 1 for a shared table)."""
+    return (w if w.dim() == 2 else w[None]).to(torch.float32).contiguous()
+
+
+def _chunked(values: torch.Tensor, chunk: torch.Tensor, nchunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``values`` (int64) as int32 offsets from their chunk's minimum (saturated), and that minimum per row as
+    float64. A span of ``INT32_SPAN`` or more is an error where the values can be read (CPU tensors)."""
+    big = torch.iinfo(torch.int64).max
+    low = torch.full((nchunks,), big, dtype=torch.int64, device=values.device).scatter_reduce(0, chunk, values, "amin")
+    rel = values - low[chunk]
+    if can_read_values(rel) and rel.numel() and int(rel.max()) >= INT32_SPAN:
+        raise bad_value("rel_bias.timestamps", f"at most {INT32_SPAN - 1} time units between the events of any "
+                        f"{CHUNK} consecutive rows of a sequence for Kernel.TRITON (Kernel.PYTORCH has no such "
+                        "limit)", f"a span of {int(rel.max())}")
+    return rel.clamp(max=INT32_SPAN).to(torch.int32), low[chunk].to(torch.float64)
+
+
+def prepare(rel_bias: RelativeBias, seq_offsets: torch.Tensor, total: int, with_grads: bool) -> Prepared:
+    """The kernel arguments of a relative bias for a batch of ``total >= 1`` rows (device torch ops only).
+
+    ``seq_offsets``: int64 contiguous ``(B + 1,)``. Gradient buffers are zero-filled when ``with_grads``,
+    else empty placeholders that no kernel reads.
+    """
+    n_pos = rel_bias.pos_w.shape[-1]
+    half = (n_pos - 1) // 2  # P - 1
+    pos = _heads(rel_bias.pos_w)
+    pad = max(0, total + POS_SLACK - half)
+    if pad:
+        pos = torch.cat([pos[:, :1].expand(-1, pad), pos, pos[:, -1:].expand(-1, pad)], dim=1)
+    ts = _heads(rel_bias.ts_w)
+    seq, i, length = row_coords(seq_offsets, total)
+    times = rel_bias.timestamps.to(torch.int64)
+    t = torch.arange(total, device=times.device)
+    nxt = times[torch.where(i + 1 < length, t + 1, t)]
+    # Chunk c of sequence b gets flat slot offs[b] // CHUNK + b + c (as the block tables): no prefix sum.
+    chunk = seq_offsets[seq] // CHUNK + seq + i // CHUNK
+    nchunks = total // CHUNK + seq_offsets.numel()
+    time32, time_base = _chunked(times, chunk, nchunks)
+    next32, next_base = _chunked(nxt, chunk, nchunks)
+    edges, edges32 = edges_tensors(ts.shape[1] - 1, times.device)
+    dpos = torch.zeros_like(pos) if with_grads else pos.new_empty(0)
+    dts = torch.zeros_like(ts) if with_grads else ts.new_empty(0)
+    args = Bias(pos, pos.stride(0) if pos.shape[0] > 1 else 0, pad + half, ts, ts.stride(0) if ts.shape[0] > 1 else 0,
+                ts.shape[1] - 1, edges, edges32, time32, time_base, next32, next_base, dpos, dts)
+    return Prepared(args, pad, n_pos)
+
+
+def with_grad_buffers(prep: Prepared) -> Prepared:
+    """``prep`` with zeroed gradient buffers (a forward's tables, reused by its backward)."""
+    args = prep.args._replace(dpos=torch.zeros_like(prep.args.pos), dts=torch.zeros_like(prep.args.ts))
+    return prep._replace(args=args)
+
+
+def fold_position_grad(prep: Prepared) -> torch.Tensor:
+    """The position table's gradient ``(Hb, 2P - 1)`` from the padded buffer: padding slots are clamped
+    relative positions, so their sums belong to the end entries."""
+    d, pad, n = prep.args.dpos, prep.pad, prep.n_pos
+    if not pad:
+        return d
+    out = d[:, pad : pad + n].clone()
+    out[:, 0] += d[:, :pad].sum(1)
+    out[:, -1] += d[:, pad + n :].sum(1)
+    return out
+
+
+def table_grads(rel_bias: RelativeBias, prep: Prepared) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of ``pos_w`` and ``ts_w``, shaped and typed like them."""
+    dpos = fold_position_grad(prep)
+    dts = prep.args.dts
+    pos_w, ts_w = rel_bias.pos_w, rel_bias.ts_w
+    return dpos.reshape(pos_w.shape).to(pos_w.dtype), dts.reshape(ts_w.shape).to(ts_w.dtype)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Kernel helpers. ``bias`` is a ``Bias``; rows and cols are local positions; ``h`` the head. A tile's times:
+# ``ai`` (its rows' next times) and ``bi`` (its keys' times), int32 offsets from their chunks' bases, whose
+# difference is ``d`` (float64).
+
+
+@triton.jit
+def _at(T, seq_start, L, idx):
+    """``T`` at local positions ``idx``; positions past the sequence's end read its last row (so they widen no
+    range of times)."""
+    return tl.load(T + seq_start + tl.minimum(idx, L - 1))
+
+
+@triton.jit
+def bias_rows(bias, seq_start, L, rows, row0):
+    """The rows' next times (int32 offsets), their min and max, and their chunk's base (``row0``: the first row)."""
+    ai = _at(bias.next32, seq_start, L, rows)
+    return ai, tl.min(ai, axis=0), tl.max(ai, axis=0), tl.load(bias.next_base + seq_start + row0)
+
+
+@triton.jit
+def bias_cols(bias, seq_start, L, cols, col0):
+    """The keys' times (int32 offsets), their min and max, and their chunk's base (``col0``: the first key)."""
+    bi = _at(bias.time32, seq_start, L, cols)
+    return bi, tl.min(bi, axis=0), tl.max(bi, axis=0), tl.load(bias.time_base + seq_start + col0)
+
+
+@triton.jit
+def bucket_of(bias, x):
+    """The bucket of a scalar float64 gap ``x >= 0``: ``floor(log2(x) ln2 / 0.301)`` in float32 is within one
+    of it; one comparison with each neighbouring edge makes it exact."""
+    LOG2_TO_BUCKET: tl.constexpr = 0.6931471805599453 / 0.301
+    b = (tl.log2(tl.maximum(x, 1.0).to(tl.float32)) * LOG2_TO_BUCKET).to(tl.int32)
+    b = tl.minimum(tl.maximum(b, 0), bias.num_buckets)
+    b = b + tl.where(x >= tl.load(bias.edges + b + 1), 1, 0)
+    b = b - tl.where(x < tl.load(bias.edges + b), 1, 0)
+    return b
+
+
+@triton.jit
+def tile_buckets(bias, amin, amax, bmin, bmax, d):
+    """The buckets ``(b_lo, b_hi)`` of the smallest and largest ``|a - b + d|`` for ``a`` in ``[amin, amax]`` (the
+    rows' next times) and ``b`` in ``[bmin, bmax]`` (the keys' times): every pair's bucket lies between."""
+    lo = (amin - bmax).to(tl.float64) + d
+    hi = (amax - bmin).to(tl.float64) + d
+    gmin = tl.where(lo >= 0, lo, tl.where(hi <= 0, -hi, 0.0))
+    gmax = tl.maximum(hi, -lo)
+    return bucket_of(bias, gmin), bucket_of(bias, gmax)
+
+
+@triton.jit
+def _far(bias, k, ai, bi, d, TRANS: tl.constexpr):
+    """Pairs whose gap ``ai - bi + d`` reaches edge ``k`` in magnitude: ``x = ai - bi`` against two thresholds
+    saturated to int32 (every ``x`` lies strictly inside, so saturation keeps each comparison's outcome)."""
+    e = tl.load(bias.edges + k)
+    hi = tl.minimum(tl.maximum(e - d, -INT32_SPAN_F), INT32_SPAN_F).to(tl.int32)
+    lo = tl.minimum(tl.maximum(-e - d, -INT32_SPAN_F), INT32_SPAN_F).to(tl.int32)
+    x = ai[None, :] - bi[:, None] if TRANS else ai[:, None] - bi[None, :]
+    return (x >= hi) | (x <= lo)
+
+
+@triton.jit
+def query_major_bias(s, bias, brows, h, seq_start, L, rows, cols, n0):
+    """``s + bias`` for a ``(rows, cols)`` tile of a query-major program (keys from ``n0``); ``brows``: the
+    program's ``bias_rows``."""
+    ai, amin, amax, base_a = brows
+    bi, bmin, bmax, base_b = bias_cols(bias, seq_start, L, cols, n0)
+    d = base_a - base_b
+    b_lo, b_hi = tile_buckets(bias, amin, amax, bmin, bmax, d)
+    return add_bias(s, bias, h, rows, cols, ai, bi, d, b_lo, b_hi, False)
+
+
+@triton.jit
+def add_bias(s, bias, h, rows, cols, ai, bi, d, b_lo, b_hi, TRANS: tl.constexpr):
+    """``s`` plus the float32 bias of its tile, ``(rows, cols)``, or ``(cols, rows)`` when TRANS; ``ai``, ``bi``:
+    the rows' and keys' int32 times, ``d`` the difference of their bases, ``b_lo .. b_hi``: ``tile_buckets``.
+
+    The position entry and the lowest bucket's weight first; then for each edge between ``b_lo`` and ``b_hi``
+    the step to the next bucket's weight where the pair's gap reaches it (the float32 sum of the steps
+    differs from the weight by rounding only).
+    """
+    tsw = bias.ts + h * bias.ts_stride_h
+    posw = bias.pos + h * bias.pos_stride_h + bias.pos_center
+    w = tl.load(tsw + b_lo)
+    if TRANS:
+        s += tl.load(posw + (cols[:, None] - rows[None, :])) + w
+    else:
+        s += tl.load(posw + (cols[None, :] - rows[:, None])) + w
+    for k in range(b_lo + 1, b_hi + 1):
+        w_next = tl.load(tsw + k)
+        s += tl.where(_far(bias, k, ai, bi, d, TRANS), w_next - w, 0.0)
+        w = w_next
+    return s
+
+
+@triton.jit
+def _diagonal_sums(x, G: tl.constexpr, TRANS: tl.constexpr, PRECISION: tl.constexpr):
+    """Sums of the tile ``x`` along its diagonals ``d = key - row`` (``x`` is ``(keys, rows)`` when TRANS, else
+    ``(rows, keys)``), as a float32 ``(UP, NP)`` matrix: entry ``[u, e]`` holds diagonal
+    ``d = G (u - U0) + e - (G - 1)`` for ``u < NX + NY - 1`` and ``e < 2G - 1`` (else 0), ``U0 = NY - 1``
+    (TRANS) or ``NX - 1``, ``NX, NY`` the sub-blocks along the two axes."""
+    X: tl.constexpr = x.shape[0]
+    Y: tl.constexpr = x.shape[1]
+    NX: tl.constexpr = X // G
+    NY: tl.constexpr = Y // G
+    NBLK: tl.constexpr = NX * NY
+    NP: tl.constexpr = 2 * G if 2 * G >= 16 else 16
+    NU: tl.constexpr = NX + NY - 1
+    UP: tl.constexpr = 16 if NU <= 16 else (32 if NU <= 32 else (64 if NU <= 64 else 128))
+    # Sub-block (e, a) as one row of NBLK x G^2: row e * NY + a, column f * G + b (f, b: offsets in the block).
+    xb = tl.reshape(tl.permute(tl.reshape(x, (NX, G, NY, G)), (0, 2, 1, 3)), (NBLK, G * G))
+    kk = tl.arange(0, G * G)
+    fine = kk // G - kk % G if TRANS else kk % G - kk // G  # key - row inside the block
+    ee = tl.arange(0, NP)
+    onehot = tl.where(fine[:, None] + (G - 1) == ee[None, :], 1.0, 0.0).to(x.dtype)
+    z = tl.dot(xb, onehot, input_precision=PRECISION)  # (NBLK, NP): each sub-block's diagonal sums
+    blk = tl.arange(0, NBLK)
+    # The block diagonal of sub-block (e, a) (key block - row block), shifted to >= 0.
+    u = blk // NY - blk % NY + (NY - 1) if TRANS else blk % NY - blk // NY + (NX - 1)
+    uu = tl.arange(0, UP)
+    gather = tl.where(uu[:, None] == u[None, :], 1.0, 0.0)
+    return tl.dot(gather, z, input_precision="ieee")  # (UP, NP), float32 throughout
+
+
+@triton.jit
+def _reached_sum(g, far):
+    return tl.sum(tl.sum(tl.where(far, g, 0.0), axis=1), axis=0)
+
+
+@triton.jit
+def bias_grad(bias, h, ds, rows, cols, ai, bi, d, b_lo, b_hi, scale, DOT_PRECISION: tl.constexpr,
+              TRANS: tl.constexpr):
+    """Add this tile's table gradients into ``bias.dts`` and ``bias.dpos``: ``ds`` is the tile's masked
+    gradient of the pre-silu scores divided by ``scale`` (``(cols, rows)`` when TRANS, else ``(rows, cols)``);
+    the other arguments as for ``add_bias`` (``rows``, ``cols``: the tile's local positions, from its origin)."""
+    g = ds.to(tl.float32) * scale
+    dts = bias.dts + h * bias.ts_stride_h
+    # Time buckets: the sum over pairs whose gap reaches each edge; bucket b gets the difference of consecutive
+    # sums (one reduction and one scalar atomic per bucket).
+    prev = tl.sum(tl.sum(g, axis=1), axis=0)
+    for k in range(b_lo + 1, b_hi + 1):
+        part = tl.sum(tl.sum(tl.where(_far(bias, k, ai, bi, d, TRANS), g, 0.0), axis=1), axis=0)
+        tl.atomic_add(dts + k - 1, prev - part, sem="relaxed")
+        prev = part
+    tl.atomic_add(dts + b_hi, prev, sem="relaxed")
+    # Positions: diagonal sums of the tile, then one atomic per (block diagonal, offset).
+    X: tl.constexpr = ds.shape[0]
+    Y: tl.constexpr = ds.shape[1]
+    G: tl.constexpr = 16 if (X // 16) * (Y // 16) >= 16 else (8 if (X // 8) * (Y // 8) >= 16 else 4)
+    if ds.dtype == tl.float32:
+        PRECISION: tl.constexpr = "ieee" if DOT_PRECISION == "ieee" else "tf32x3"
+        diag = _diagonal_sums(g, G, TRANS, PRECISION)
+    else:
+        diag = _diagonal_sums(ds, G, TRANS, "tf32") * scale
+    NU: tl.constexpr = X // G + Y // G - 1
+    U0: tl.constexpr = Y // G - 1 if TRANS else X // G - 1
+    uu = tl.arange(0, diag.shape[0])
+    ee = tl.arange(0, diag.shape[1])
+    d = G * (uu[:, None] - U0) + ee[None, :] - (G - 1)
+    origin = tl.min(cols, axis=0) - tl.min(rows, axis=0)  # key - row at the tile's first row and key
+    dpos = bias.dpos + h * bias.pos_stride_h + bias.pos_center + origin
+    tl.atomic_add(dpos + d, diag, mask=(uu[:, None] < NU) & (ee[None, :] < 2 * G - 1), sem="relaxed")
