@@ -3,6 +3,9 @@
     PYTHONPATH=$PWD python benchmarks/compile_check.py           # bf16 D 64/128/256/96 and 24/48, every MODE; fp32
     PYTHONPATH=$PWD python benchmarks/compile_check.py --quick   # D 128 and 96 only
 
+Every dim also compiles the kernels with the relative attention bias (``rel_bias``: HAS_BIAS, and
+BIAS_GRAD in the dK/dV kernel) for the causal and SLA masks; the lines show ``HAS_BIAS=True``.
+
 The real entry point (``triton_hstu_mha``, forward and backward) runs on CPU tensors
 while ``JITFunction.run`` is replaced by a function that binds the launch arguments
 exactly as Triton's launcher does (same specialisation of ints and pointers, same
@@ -29,12 +32,13 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 
 from flexhstu import masks
 from flexhstu.jagged import offsets_from_lengths
+from flexhstu.ops.bias import RelativeBias
 from flexhstu.ops.triton import triton_hstu_mha
 
 TARGET = GPUTarget("cuda", 90, 32)
 BACKEND = make_backend(TARGET)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-SHOWN = ("MODE", "NFUNC", "DIM_QK", "DIM_V", "BLOCK_M", "BLOCK_N", "DOT_PRECISION")
+SHOWN = ("MODE", "NFUNC", "DIM_QK", "DIM_V", "BLOCK_M", "BLOCK_N", "DOT_PRECISION", "HAS_BIAS")
 seen: set[str] = set()
 failures: list[str] = []
 
@@ -71,7 +75,7 @@ def compile_instead_of_launch(self, *args, grid, warmup, **kwargs):
     return None
 
 
-def run(dtype, dqk, dv, case):
+def run(dtype, dqk, dv, case, bias=False):
     lengths = [300, 77, 0, 129]
     offs = offsets_from_lengths(lengths)
     total = sum(lengths)
@@ -86,8 +90,13 @@ def run(dtype, dqk, dv, case):
         kw["func"] = masks.sla(offs, 20, 4)
     elif case == "func9":  # five intervals: the path without register-resident intervals
         kw["func"] = torch.zeros(2, 9, total, dtype=torch.int32)
+    inputs = [q, k, v]
+    if bias:  # shared position table, per-head time table; both require grad (the dK/dV kernel reduces them)
+        tables = [torch.randn(599, requires_grad=True), torch.randn(2, 129, requires_grad=True)]
+        kw["rel_bias"] = RelativeBias(*tables, torch.arange(total) * 1000)
+        inputs += tables
     out = triton_hstu_mha(q, k, v, offs, **kw)
-    torch.autograd.grad(out, (q, k, v), torch.randn(total, 2, dv, dtype=dtype))
+    torch.autograd.grad(out, inputs, torch.randn(total, 2, dv, dtype=dtype))
 
 
 def main() -> int:
@@ -100,9 +109,14 @@ def main() -> int:
         for case in ("causal", "fixed", "func3", "func9"):
             print(f"## bf16 Dqk{dqk} Dv{dv} {case}", flush=True)
             run(torch.bfloat16, dqk, dv, case)
+        for case in ("causal", "func3"):
+            print(f"## bf16 Dqk{dqk} Dv{dv} {case} with rel_bias", flush=True)
+            run(torch.bfloat16, dqk, dv, case, bias=True)
     torch.backends.cuda.matmul.allow_tf32 = False
     print("## fp32 IEEE dots, D 64, func3", flush=True)
     run(torch.float32, 64, 64, "func3")
+    print("## fp32 IEEE dots, D 64, func3 with rel_bias", flush=True)
+    run(torch.float32, 64, 64, "func3", bias=True)
     print(f"\n{len(seen)} variants, {len(failures)} failed" + "".join(f"\n  {f}" for f in failures))
     return 1 if failures else 0
 
