@@ -143,7 +143,8 @@ def hstu_backward_dkdv_kernel(
                     ai, amin, amax, base_a = bias_rows(BIAS, seq_start, L, rows, m0)
                     d = base_a - base_b
                     b_lo, b_hi = tile_buckets(BIAS, amin, amax, bmin, bmax, d)
-                    s = add_bias(s, BIAS, h, rows, cols, ai, bi, d, b_lo, b_hi, True)
+                    if m0 < L:  # always: keeps the pipeliner off the bias loads (bias.PIPELINE_GUARD)
+                        s = add_bias(s, BIAS, h, rows, cols, ai, bi, d, b_lo, b_hi, True)
                 sig = sigmoid(s, FAST_SIGMOID)
                 p = s * sig
                 dsilu = sig * (1.0 + s * (1.0 - sig))
