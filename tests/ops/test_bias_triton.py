@@ -1,0 +1,304 @@
+"""The relative attention bias in the Triton kernels (flexhstu.ops.triton.bias) against the reference, under
+TRITON_INTERPRET=1 on the CPU (or on a GPU when one is present).
+
+The interpreter's blocks are small and unequal (32 x 16 forward, 16 x 32 backward) and its key-major split
+runs in chunks of two query blocks, so these lengths cross many blocks, split ranges and (one test) the
+256-row chunks the kernels rebase times in. Outputs and gradient buffers start as NaN (poisoned).
+float32 and float16 only: the interpreter computes bf16 dots wrongly (tests/gpu covers bf16).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from rules import offsets_from
+
+import flexhstu
+from flexhstu import Kernel, masks
+from flexhstu.ops.bias import RelativeBias, dense_relative_bias, time_bucket
+from flexhstu.ops.plan import build_plan
+from flexhstu.ops.triton import bias as kbias
+from flexhstu.ops.triton import triton_hstu_mha
+from flexhstu.ops.triton.debug import poison_outputs
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+    reason="needs TRITON_INTERPRET=1 (CPU) or a GPU",
+)
+DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.is_available() else "cpu"
+LENGTHS = [37, 0, 70, 16, 5]
+HEADS = 2
+
+
+@pytest.fixture(autouse=True)
+def _poisoned_outputs():
+    with poison_outputs():
+        yield
+
+
+def edge_gaps(num_buckets: int) -> list[int]:
+    """Gaps on both sides of every bucket edge below 10^8 (the bucket changes between E - 1 and E)."""
+    edges = [int(e) for e in kbias.bucket_edges(num_buckets)[1:-1] if e < 1e8]
+    return sorted({g for e in edges for g in (e - 1, e, e + 1)})
+
+
+def make_times(lengths, kind, seed=0, num_buckets=40):
+    """int64 ``(total,)``: ``sorted`` (increasing, gaps hitting bucket edges exactly), ``unsorted`` (random, with
+    repeats), or ``edges`` (each sequence's consecutive gaps walk the edges, up and down)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    gaps = torch.tensor(edge_gaps(num_buckets))
+    for n in lengths:
+        if kind == "sorted":
+            steps = gaps[torch.randint(0, len(gaps), (n,), generator=g)]
+            t = 1_700_000_000 + torch.cumsum(steps, 0)
+        elif kind == "unsorted":
+            t = torch.randint(0, 10**7, (n,), generator=g)
+            t[1::4] = t[0::4][: t[1::4].numel()]  # equal times: gap 0
+        else:
+            steps = gaps[torch.arange(n) % len(gaps)] * torch.where(torch.arange(n) % 3 == 2, -1, 1)
+            t = 10**9 + torch.cumsum(steps, 0)
+        out.append(t)
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.int64)
+
+
+def mask_case(name, offs, lengths):
+    n, t = max(lengths), sum(lengths)
+    g = torch.Generator().manual_seed(11)
+    if name == "causal":
+        return {}
+    if name == "fixed":  # targets + window + contextual prefix: the closed-form rule
+        return dict(num_targets=torch.tensor([min(5, L) for L in lengths]), max_attn_len=10, contextual_seq_len=3)
+    if name == "sla":
+        return dict(attn_func=masks.sla(offs, 20, 4))
+    if name == "onerank":
+        return dict(attn_func=masks.onerank(offs, torch.tensor([(L // 3) // 4 * 4 for L in lengths]), 4))
+    if name == "random-per-head":
+        return dict(attn_func=torch.randint(-3, n + 3, (HEADS, 5, t), generator=g, dtype=torch.int32))
+    raise KeyError(name)
+
+
+def inputs(lengths, *, per_head, positions, num_buckets, dtype=torch.float32, seed=0, times="sorted", dim=16):
+    g = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    q, k, v = (torch.randn(total, HEADS, dim, generator=g) for _ in range(3))
+    lead = (HEADS,) if per_head else ()
+    pos_w = torch.randn(*lead, 2 * positions - 1, generator=g) * 0.7
+    ts_w = torch.randn(*lead, num_buckets + 1, generator=g) * 0.7
+    qkv = [x.to(DEVICE, dtype).requires_grad_(True) for x in (q, k, v)]
+    tables = [x.to(DEVICE).requires_grad_(True) for x in (pos_w, ts_w)]
+    return qkv, tables, make_times(lengths, times, seed, num_buckets).to(DEVICE)
+
+
+def assert_all_close(got, want, names, rtol, atol):
+    for g, w, name in zip(got, want, names):
+        assert torch.isfinite(g).all(), name
+        torch.testing.assert_close(g, w, rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def check_against_reference(lengths, mask, *, per_head, positions, num_buckets, dtype=torch.float32, times="sorted",
+                            alpha=0.3, scaling=50, dim=16):
+    offs = offsets_from(lengths).to(DEVICE)
+    kw = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in mask_case(mask, offs.cpu(),
+                                                                                         lengths).items()}
+    (q, k, v), (pos_w, ts_w), ts = inputs(lengths, per_head=per_head, positions=positions, num_buckets=num_buckets,
+                                          dtype=dtype, times=times, dim=dim)
+    bias = RelativeBias(pos_w, ts_w, ts)
+    n = max(lengths)
+    out = flexhstu.hstu_mha(n, alpha, q, k, v, offs, scaling_seqlen=scaling, rel_bias=bias, kernel=Kernel.TRITON, **kw)
+    # The reference in float32 from the same (possibly half) inputs.
+    leaves = [x.detach().float().requires_grad_(True) for x in (q, k, v, pos_w, ts_w)]
+    ref = flexhstu.hstu_mha(n, alpha, *leaves[:3], offs, scaling_seqlen=scaling, rel_bias=RelativeBias(*leaves[3:], ts),
+                            kernel=Kernel.PYTORCH, **kw)
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-3)
+    assert_all_close([out.float()], [ref], ["out"], **tol)
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v, pos_w, ts_w), dout)
+    want = torch.autograd.grad(ref, leaves, dout.float())
+    assert_all_close([x.float() for x in got], want, ["dq", "dk", "dv", "dpos_w", "dts_w"], **tol)
+    assert want[3].abs().sum() > 0 and want[4].abs().sum() > 0  # both tables really used
+    return got
+
+
+@pytest.mark.parametrize("mask", ["causal", "fixed", "sla", "onerank", "random-per-head"])
+def test_shared_tables_match_the_reference_under_every_mask(mask):
+    # P = 12 is shorter than the longest sequence (70): far relative positions take the table's end entries.
+    check_against_reference(LENGTHS, mask, per_head=False, positions=12, num_buckets=40)
+
+
+@pytest.mark.parametrize("mask", ["causal", "sla", "random-per-head"])
+def test_per_head_tables_and_unsorted_times_match_the_reference(mask):
+    check_against_reference(LENGTHS, mask, per_head=True, positions=80, num_buckets=40, times="unsorted")
+
+
+@pytest.mark.parametrize("num_buckets", [1, 3, 128])
+def test_gaps_on_bucket_edges_and_any_number_of_buckets(num_buckets):
+    # Consecutive gaps walk every edge (E - 1, E, E + 1), both ways; 128 buckets is the STU layer's default.
+    check_against_reference([45, 23], "causal", per_head=False, positions=30, num_buckets=num_buckets, times="edges")
+
+
+def test_half_precision_inputs():
+    check_against_reference(LENGTHS, "sla", per_head=True, positions=40, num_buckets=40, dtype=torch.float16)
+
+
+def test_head_dim_not_a_power_of_two_and_other_scales():
+    check_against_reference([33, 18], "causal", per_head=False, positions=5, num_buckets=10, alpha=1.3, scaling=7,
+                            dim=24)
+
+
+def test_sequences_longer_than_a_time_chunk():
+    # 300 rows: tiles whose rows and keys lie in different 256-row chunks (different time bases).
+    check_against_reference([300], "sla", per_head=False, positions=400, num_buckets=60, times="unsorted")
+
+
+def test_the_kernel_bias_equals_the_dense_reference_bias():
+    """The bias the kernels add, read back through a test kernel, against dense_relative_bias, both tile
+    orientations, on tiles that cross the chunks and every relative position and bucket edge."""
+    lengths = [300, 7, 0, 40]
+    offs = offsets_from(lengths).to(DEVICE)
+    total, n = sum(lengths), max(lengths)
+    g = torch.Generator().manual_seed(1)
+    pos_w = torch.randn(HEADS, 2 * 9 - 1, generator=g).to(DEVICE)  # P = 9: most pairs clamp
+    ts_w = torch.randn(HEADS, 61, generator=g).to(DEVICE)
+    rel = RelativeBias(pos_w, ts_w, make_times(lengths, "edges", num_buckets=60).to(DEVICE))
+    want = dense_relative_bias(rel, offs, n)  # (B, H, n, n)
+    prep = kbias.prepare(rel, offs.to(torch.int64).contiguous(), total, with_grads=False)
+    for trans in (False, True):
+        got = torch.full((len(lengths), HEADS, n, n), float("nan"), device=DEVICE)
+        grid = (len(lengths), triton.cdiv(n, 32), HEADS)
+        _bias_probe_kernel[grid + ()](prep.args, offs, got, n, BM=32, BN=16, TRANS=trans)
+        for b, length in enumerate(lengths):
+            torch.testing.assert_close(got[b, :, :length, :length], want[b, :, :length, :length], rtol=1e-6, atol=1e-6)
+
+
+@triton.jit
+def _bias_probe_kernel(bias, OFFS, OUT, n, BM: tl.constexpr, BN: tl.constexpr, TRANS: tl.constexpr):
+    """Writes the bias of query block ``program_id(1)`` of sequence ``program_id(0)``, key block by key block."""
+    b = tl.program_id(0)
+    h = tl.program_id(2)
+    seq_start = tl.load(OFFS + b)
+    L = (tl.load(OFFS + b + 1) - seq_start).to(tl.int32)
+    m0 = tl.program_id(1) * BM
+    if m0 < L:
+        rows = m0 + tl.arange(0, BM)
+        ai, amin, amax, base_a = kbias.bias_rows(bias, seq_start, L, rows, m0)
+        for n0 in range(0, L, BN):
+            cols = n0 + tl.arange(0, BN)
+            bi, bmin, bmax, base_b = kbias.bias_cols(bias, seq_start, L, cols, n0)
+            d = base_a - base_b
+            b_lo, b_hi = kbias.tile_buckets(bias, amin, amax, bmin, bmax, d)
+            ok = (rows[:, None] < L) & (cols[None, :] < L)
+            out = OUT + ((b * tl.num_programs(2) + h) * n + rows[:, None]) * n + cols[None, :]
+            if TRANS:
+                zero = tl.zeros((BN, BM), tl.float32)
+                t = kbias.add_bias(zero, bias, h, rows, cols, ai, bi, d, b_lo, b_hi, True)
+                tl.store(out, tl.trans(t), mask=ok)
+            else:
+                zero = tl.zeros((BM, BN), tl.float32)
+                tl.store(out, kbias.add_bias(zero, bias, h, rows, cols, ai, bi, d, b_lo, b_hi, False), mask=ok)
+
+
+def test_bucket_edges_reproduce_the_reference_bucket_of_every_gap_around_them():
+    for nb in (1, 10, 128, 200):
+        edges = kbias.bucket_edges(nb)
+        assert len(edges) == nb + 2 and edges[0] == -1 and math.isinf(edges[-1])
+        finite = [int(e) for e in edges[1:-1] if e < 2**53]
+        gaps = torch.tensor(sorted({x for e in finite for x in (e - 1, e, e + 1)} | {0, 1, 2**40}))
+        counted = (gaps[:, None].double() >= torch.tensor(edges[1:-1], dtype=torch.float64)[None, :]).sum(1)
+        assert torch.equal(counted, time_bucket(gaps, nb)), nb
+        assert torch.equal(counted, time_bucket(-gaps, nb)), nb  # |gap|
+
+
+def test_a_plan_with_the_bias_gives_the_plan_free_result():
+    lengths = LENGTHS
+    offs = offsets_from(lengths).to(DEVICE)
+    total, n = sum(lengths), max(lengths)
+    func = masks.sla(offs.cpu(), 20, 4).to(DEVICE)
+    plan = build_plan(offs, total=total, max_seq_len=n, attn_func=func)
+    (q, k, v), (pos_w, ts_w), ts = inputs(lengths, per_head=False, positions=20, num_buckets=30)
+    rel = RelativeBias(pos_w, ts_w, ts)
+    common = dict(func=func, alpha=0.3, out_scale=1 / 50, max_seq_len=n, rel_bias=rel)
+    results = []
+    for p in (plan, None):
+        out = triton_hstu_mha(q, k, v, offs, plan=p, **common)
+        out2 = triton_hstu_mha(out + q, k, v, offs, plan=p, **common)  # a second layer on the same plan
+        results.append((out2, *torch.autograd.grad(out2, (q, k, v, pos_w, ts_w), torch.ones_like(out2))))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("max_seq_len", [0, 10_000])
+def test_max_seq_len_is_only_a_hint_with_the_bias(max_seq_len):
+    # The key-major split (chunks of 2 query blocks here) adds partial table gradients from several programs.
+    lengths = [100, 0, 45]
+    offs = offsets_from(lengths).to(DEVICE)
+    (q, k, v), (pos_w, ts_w), ts = inputs(lengths, per_head=True, positions=50, num_buckets=30)
+    rel = RelativeBias(pos_w, ts_w, ts)
+    func = masks.sla(offs.cpu(), 40, 8).to(DEVICE)
+    out = triton_hstu_mha(q, k, v, offs, func=func, alpha=0.3, out_scale=1 / 100, max_seq_len=max_seq_len,
+                          rel_bias=rel)
+    ref = flexhstu.hstu_mha(100, 0.3, q, k, v, offs, attn_func=func, rel_bias=rel, kernel=Kernel.PYTORCH)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    dout = torch.randn_like(out)
+    leaves = (q, k, v, pos_w, ts_w)
+    assert_all_close(torch.autograd.grad(out, leaves, dout), torch.autograd.grad(ref, leaves, dout),
+                     ["dq", "dk", "dv", "dpos_w", "dts_w"], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_eager_and_compiled_paths_give_the_table_gradients(compiled):
+    lengths = [37, 0, 21]
+    offs = offsets_from(lengths).to(DEVICE)
+    (q, k, v), (pos_w, ts_w), ts = inputs(lengths, per_head=False, positions=10, num_buckets=20)
+
+    def attention(q, k, v, pos_w, ts_w, kernel):
+        return flexhstu.hstu_mha(37, None, q, k, v, offs, rel_bias=RelativeBias(pos_w, ts_w, ts), kernel=kernel)
+
+    run = torch.compile(attention, fullgraph=True, backend="aot_eager") if compiled else attention
+    out = run(q, k, v, pos_w, ts_w, Kernel.TRITON)
+    ref = attention(q, k, v, pos_w, ts_w, Kernel.PYTORCH)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    dout = torch.randn_like(out)
+    leaves = (q, k, v, pos_w, ts_w)
+    assert_all_close(torch.autograd.grad(out, leaves, dout), torch.autograd.grad(ref, leaves, dout),
+                     ["dq", "dk", "dv", "dpos_w", "dts_w"], rtol=1e-4, atol=1e-5)
+
+
+def test_tables_without_grad_get_none_and_the_rest_is_unchanged():
+    lengths = [37, 21]
+    offs = offsets_from(lengths).to(DEVICE)
+    (q, k, v), (pos_w, ts_w), ts = inputs(lengths, per_head=True, positions=10, num_buckets=20)
+    frozen = RelativeBias(pos_w.detach(), ts_w.detach(), ts)
+    out = flexhstu.hstu_mha(37, None, q, k, v, offs, rel_bias=frozen, kernel=Kernel.TRITON)
+    ref = flexhstu.hstu_mha(37, None, q, k, v, offs, rel_bias=frozen, kernel=Kernel.PYTORCH)
+    dout = torch.randn_like(out)
+    assert_all_close(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(ref, (q, k, v), dout),
+                     ["dq", "dk", "dv"], rtol=1e-4, atol=1e-5)
+
+
+def test_an_empty_batch_gives_zero_table_gradients():
+    q, k, v = (torch.zeros(0, HEADS, 16, device=DEVICE, requires_grad=True) for _ in range(3))
+    pos_w = torch.randn(5, device=DEVICE, requires_grad=True)
+    ts_w = torch.randn(HEADS, 4, device=DEVICE, requires_grad=True)
+    rel = RelativeBias(pos_w, ts_w, torch.zeros(0, dtype=torch.int64, device=DEVICE))
+    out = flexhstu.hstu_mha(4, None, q, k, v, offsets_from([0, 0]).to(DEVICE), rel_bias=rel, kernel=Kernel.TRITON)
+    dpos, dts = torch.autograd.grad(out.sum(), (pos_w, ts_w))
+    assert (dpos == 0).all() and (dts == 0).all() and dts.shape == ts_w.shape
+
+
+def test_a_chunk_spanning_too_much_time_is_refused_on_the_cpu():
+    if DEVICE != "cpu":
+        pytest.skip("the check reads the times: CPU tensors only")
+    lengths = [20]
+    offs = offsets_from(lengths)
+    (q, k, v), (pos_w, ts_w), _ = inputs(lengths, per_head=False, positions=5, num_buckets=10)
+    ts = torch.arange(20) * (2**31 // 10)  # 19 steps of 2^31 / 10: a span of 3.9 * 2^31 in one chunk
+    with pytest.raises(ValueError, match=r"rel_bias.timestamps: expected at most 2147483646 time units .*got a span"):
+        flexhstu.hstu_mha(20, None, q, k, v, offs, rel_bias=RelativeBias(pos_w, ts_w, ts), kernel=Kernel.TRITON)
+    ok = flexhstu.hstu_mha(20, None, q, k, v, offs, rel_bias=RelativeBias(pos_w, ts_w, ts), kernel=Kernel.PYTORCH)
+    assert torch.isfinite(ok).all()
