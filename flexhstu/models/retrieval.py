@@ -118,6 +118,7 @@ class HSTURetrieval(_Retrieval):
         kw = {}
         if self.mask == "sla":
             kw["attn_func"] = masks.sla(batch.offsets, self.sla_k1, self.sla_k2, total=x.shape[0])
+            kw["sparse"] = 4 * (self.sla_k1 + self.sla_k2) <= batch.max_len  # few key blocks per query block
         return self.stack(x, batch.offsets, batch.max_len, batch.times, **kw)
 
     def _history_mask(self, offsets: torch.Tensor, total: int) -> dict:

@@ -55,10 +55,11 @@ def _scale_args(attn_scale: torch.Tensor | None, offs: torch.Tensor) -> dict:
     return dict(ATTN_SCALE=offs if attn_scale is None else attn_scale, HAS_ATTN_SCALE=attn_scale is not None)
 
 
-def call_tiles(q: torch.Tensor, v: torch.Tensor) -> Tiles:
-    """The tiles of one call (defaults for its head dims, or a ``tile_override`` in force), read once when the
-    call starts and carried to its backward, which autograd may run on another thread."""
-    return tiles(tile_dim(q.shape[2]), tile_dim(v.shape[2]), _interpreting())
+def call_tiles(q: torch.Tensor, v: torch.Tensor, vis: Visibility) -> Tiles:
+    """The tiles of one call (defaults for its head dims and the mask's sparsity, or a ``tile_override`` in
+    force), read once when the call starts and carried to its backward, which autograd may run on another
+    thread."""
+    return tiles(tile_dim(q.shape[2]), tile_dim(v.shape[2]), _interpreting(), vis.sparse)
 
 
 def forward(q, k, v, offs, vis: Visibility, alpha: float, out_scale: float,
@@ -72,7 +73,7 @@ def forward(q, k, v, offs, vis: Visibility, alpha: float, out_scale: float,
     if total == 0:
         return out
     interpreting = _interpreting()
-    tile = (tile_set or call_tiles(q, v)).forward
+    tile = (tile_set or call_tiles(q, v, vis)).forward
     plan = plan if plan is not None else BlockPlan(offs, total, vis)
     qtab, nqb = plan.tables.table(tile.block_m)
     hstu_forward_kernel[(nqb, nheads)](
@@ -91,7 +92,7 @@ def backward(dout, q, k, v, offs, vis: Visibility, alpha: float, out_scale: floa
     if total == 0:
         return dq, _new_like(k), _new_like(v)
     interpreting = _interpreting()
-    _, tq, tkv = tile_set or call_tiles(q, v)
+    _, tq, tkv = tile_set or call_tiles(q, v, vis)
     args = _attention_args(q, k, v, offs, vis, alpha, interpreting)
     args.update(_scale_args(attn_scale, offs))
     scale = 1.0 if attn_scale is not None else out_scale  # attn_scale replaces out_scale, row by row
@@ -128,34 +129,34 @@ def backward(dout, q, k, v, offs, vis: Visibility, alpha: float, out_scale: floa
 @torch.library.custom_op("flexhstu::hstu_mha_fwd", mutates_args=())
 def hstu_mha_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offsets: torch.Tensor,
                  func: torch.Tensor | None, num_targets: torch.Tensor | None, attn_scale: torch.Tensor | None,
-                 mode: int, contextual: int, window: int, min_full: int, alpha: float, out_scale: float,
-                 max_seq_len: int) -> torch.Tensor:
-    vis = Visibility(mode, func, num_targets, contextual, window, min_full)
+                 mode: int, contextual: int, window: int, min_full: int, sparse: bool, alpha: float,
+                 out_scale: float, max_seq_len: int) -> torch.Tensor:
+    vis = Visibility(mode, func, num_targets, contextual, window, min_full, sparse)
     return forward(q, k, v, seq_offsets, vis, alpha, out_scale, attn_scale)
 
 
 @hstu_mha_fwd.register_fake
-def _(q, k, v, seq_offsets, func, num_targets, attn_scale, mode, contextual, window, min_full, alpha, out_scale,
-      max_seq_len):
+def _(q, k, v, seq_offsets, func, num_targets, attn_scale, mode, contextual, window, min_full, sparse, alpha,
+      out_scale, max_seq_len):
     return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
 
 
 @torch.library.custom_op("flexhstu::hstu_mha_bwd", mutates_args=())
 def hstu_mha_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offsets: torch.Tensor,
                  func: torch.Tensor | None, num_targets: torch.Tensor | None, attn_scale: torch.Tensor | None,
-                 mode: int, contextual: int, window: int, min_full: int, alpha: float, out_scale: float,
-                 max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    vis = Visibility(mode, func, num_targets, contextual, window, min_full)
+                 mode: int, contextual: int, window: int, min_full: int, sparse: bool, alpha: float,
+                 out_scale: float, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    vis = Visibility(mode, func, num_targets, contextual, window, min_full, sparse)
     return backward(dout, q, k, v, seq_offsets, vis, alpha, out_scale, max_seq_len, attn_scale)
 
 
 @hstu_mha_bwd.register_fake
-def _(dout, q, k, v, seq_offsets, func, num_targets, attn_scale, mode, contextual, window, min_full, alpha,
-      out_scale, max_seq_len):
+def _(dout, q, k, v, seq_offsets, func, num_targets, attn_scale, mode, contextual, window, min_full, sparse,
+      alpha, out_scale, max_seq_len):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-_NO_GRADS = (None,) * 11  # seq_offsets .. max_seq_len
+_NO_GRADS = (None,) * 12  # seq_offsets .. max_seq_len
 
 
 def _setup_context(ctx, inputs, output):
@@ -178,7 +179,7 @@ class _HstuAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, offs, func, num_targets, attn_scale, plan, alpha, out_scale, max_seq_len):
-        tile_set = call_tiles(q, v)
+        tile_set = call_tiles(q, v, plan.vis)
         out = forward(q, k, v, offs, plan.vis, alpha, out_scale, attn_scale, plan, tile_set)
         ctx.save_for_backward(q, k, v, offs, func, num_targets, attn_scale)  # the mask too: what backward reads
         ctx.rest = (plan, alpha, out_scale, max_seq_len, tile_set)
@@ -194,8 +195,13 @@ class _HstuAttention(torch.autograd.Function):
 
 
 def visibility(func=None, num_targets=None, causal_closed_form=False, contextual=0, window=0,
-               min_full=0) -> Visibility:
-    """The kernels' mask description from triton_hstu_mha's mask arguments (num_targets made contiguous)."""
+               min_full=0, sparse: bool | None = None, max_seq_len: int = 0) -> Visibility:
+    """The kernels' mask description from triton_hstu_mha's mask arguments (num_targets made contiguous).
+
+    ``sparse`` None decides from the mask: a fixed-rule window of at most a quarter of ``max_seq_len`` (or any
+    window when ``max_seq_len`` is not given) is sparse; causal and funcs are not (a func's sparsity is only
+    known from its values, which are not read here: a plan says it, ``build_plan(sparse=True)``).
+    """
     if num_targets is not None:
         num_targets = num_targets.contiguous()
     if func is not None:
@@ -204,7 +210,9 @@ def visibility(func=None, num_targets=None, causal_closed_form=False, contextual
         mode = MODE_CAUSAL
     else:
         mode = MODE_FIXED
-    return Visibility(int(mode), func, num_targets, contextual, window, min_full)
+    if sparse is None:
+        sparse = mode == MODE_FIXED and window > 0 and (max_seq_len <= 0 or 4 * window <= max_seq_len)
+    return Visibility(int(mode), func, num_targets, contextual, window, min_full, bool(sparse))
 
 
 def _check_attn_scale(attn_scale: torch.Tensor, total: int, device: torch.device) -> None:
@@ -251,9 +259,11 @@ def triton_hstu_mha(q, k, v, seq_offsets, *, func=None, num_targets=None, causal
             raise bad_value(name, f"a head dim from {MIN_HEAD_DIM} to {MAX_HEAD_DIM} for the Triton kernels", d)
     if attn_scale is not None:
         _check_attn_scale(attn_scale, q.shape[0], q.device)
-    vis = visibility(func, num_targets, causal_closed_form, contextual, window, min_full)
+    vis = visibility(func, num_targets, causal_closed_form, contextual, window, min_full, max_seq_len=max_seq_len)
     if plan is not None:
-        plan.check_call(seq_offsets, q.shape[0], vis)
+        plan.check_triton_call(seq_offsets, q.shape[0], func=func, num_targets=num_targets,
+                               causal_closed_form=causal_closed_form, contextual=contextual, window=window,
+                               min_full=min_full)
         block = plan.block
     else:
         # The kernels read offsets and num_targets as plain int64 / int arrays (no strides): made so here, once.
@@ -261,6 +271,6 @@ def triton_hstu_mha(q, k, v, seq_offsets, *, func=None, num_targets=None, causal
     offs, vis = block.offs, block.vis
     if torch.compiler.is_compiling():
         return hstu_mha_fwd(q, k, v, offs, vis.func, vis.num_targets, attn_scale, vis.mode, vis.contextual,
-                            vis.window, vis.min_full, alpha, out_scale, max_seq_len)
+                            vis.window, vis.min_full, vis.sparse, alpha, out_scale, max_seq_len)
     return _HstuAttention.apply(q, k, v, offs, vis.func, vis.num_targets, attn_scale, block, alpha, out_scale,
                                 max_seq_len)
