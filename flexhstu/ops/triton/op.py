@@ -210,9 +210,10 @@ def visibility(func=None, num_targets=None, causal_closed_form=False, contextual
         mode = MODE_CAUSAL
     else:
         mode = MODE_FIXED
+    mode = int(mode)  # a plain int: tl.constexpr objects do not compare under torch.compile's tracing
     if sparse is None:
-        sparse = mode == MODE_FIXED and window > 0 and (max_seq_len <= 0 or 4 * window <= max_seq_len)
-    return Visibility(int(mode), func, num_targets, contextual, window, min_full, bool(sparse))
+        sparse = mode == int(MODE_FIXED) and window > 0 and (max_seq_len <= 0 or 4 * window <= max_seq_len)
+    return Visibility(mode, func, num_targets, contextual, window, min_full, bool(sparse))
 
 
 def _check_attn_scale(attn_scale: torch.Tensor, total: int, device: torch.device) -> None:
