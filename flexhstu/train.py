@@ -39,9 +39,10 @@ from tqdm import tqdm
 
 from . import checkpoint
 from .cli.common import Parser, non_negative_int, positive_int, run, user_input
-from .data import load
+from .data import load, synthetic
 from .data.movielens import parse_columns
 from .data.sequences import UserSequences, leave_one_out, user_sequences
+from .data.synthetic_source import LazyItem, SyntheticSource
 from .metrics import auc, gauc, list_ndcg, metric_key, parse_metrics, ranks_to_metrics, target_rank
 from .models import HSTURetrieval, OneRankModel, Popularity, SASRecRetrieval, make_batch, make_requests
 from .models.ranking import TASKS, RankingRequests, collate, min_events
@@ -50,7 +51,10 @@ from .nn import onerank_loss
 # Arguments that define the model, its data or its sample streams: ``--resume`` refuses a change to any of
 # them, since the resumed run would silently become a different experiment.
 FIXED_ON_RESUME = ("task", "model", "data", "columns", "mask", "sla_k1", "sla_k2", "no_rel_bias", "no_task_tokens",
-                   "dim", "layers", "heads", "max_len", "dropout", "negatives", "batch_size", "seed")
+                   "dim", "layers", "heads", "max_len", "dropout", "negatives", "batch_size", "seed",
+                   "synthetic_users", "synthetic_items", "synthetic_len", "steps_per_epoch", "eval_users")
+SYNTHETIC_DEFAULTS = {"synthetic_users": 300, "synthetic_items": 200, "synthetic_len": 40}
+IDS_IN_CHECKPOINT = 1 << 20  # a synthetic run records its ids (1..n) for `recommend` up to this many
 
 
 def _probability(text: str) -> float:
@@ -65,6 +69,14 @@ def _columns(text: str) -> dict[str, str]:
         return parse_columns(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e).removeprefix("--columns: ")) from None
+
+
+def _at_least_3(text: str) -> int:
+    value = non_negative_int(text)
+    if value < 3:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 3 (one event to train on, one to validate, one "
+                                         f"to test), got {value}")
+    return value
 
 
 def _positive_float(text: str) -> float:
@@ -85,6 +97,14 @@ def build_parser() -> Parser:
     p.add_argument("--data", default="ml-100k",
                    help="ml-100k, synthetic, a ratings.dat / ratings.csv / .parquet path, or any CSV / Parquet file "
                         "of interactions with --columns")
+    p.add_argument("--synthetic-users", type=positive_int, default=None,
+                   help=f"--data synthetic: users (default {SYNTHETIC_DEFAULTS['synthetic_users']}); each user's "
+                        "events are generated when read, so 10^6 users cost only their lengths in memory")
+    p.add_argument("--synthetic-items", type=positive_int, default=None,
+                   help=f"--data synthetic: items (default {SYNTHETIC_DEFAULTS['synthetic_items']})")
+    p.add_argument("--synthetic-len", type=_at_least_3, default=None,
+                   help=f"--data synthetic: most events of a user (default {SYNTHETIC_DEFAULTS['synthetic_len']}); "
+                        "lengths are uniform from half of it")
     p.add_argument("--columns", type=_columns, default=None,
                    help="the --data file's column names, e.g. user=uid,item=iid,time=ts,rating=r (rating is "
                         "optional: 1.0 for every event without it); ids may be integers or strings, time integers")
@@ -98,6 +118,8 @@ def build_parser() -> Parser:
     p.add_argument("--epochs", type=positive_int, default=None,
                    help="default: 60 for retrieval, 4 for ranking; on --resume, a new value extends (or ends) the run")
     p.add_argument("--batch-size", type=positive_int, default=64, help="sequences (or requests) per step")
+    p.add_argument("--steps-per-epoch", type=non_negative_int, default=0,
+                   help="train on the first N batches of each epoch's order only (0: all)")
     p.add_argument("--dim", type=positive_int, default=64, help="model width")
     p.add_argument("--layers", type=positive_int, default=2, help="attention layers")
     p.add_argument("--heads", type=positive_int, default=2, help="must divide --dim")
@@ -108,6 +130,10 @@ def build_parser() -> Parser:
     p.add_argument("--negatives", type=positive_int, default=256,
                    help="retrieval: sampled negatives per step of the sampled softmax")
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the weights, the order and the negatives")
+    p.add_argument("--eval-users", type=non_negative_int, default=0,
+                   help="validate and test on a fixed random sample of N users (ranking: requests); 0: all")
+    p.add_argument("--no-checkpoint", action="store_true",
+                   help="write no checkpoint (benchmarks); the test metrics are then the last epoch's")
     p.add_argument("--out", default=None,
                    help="the run's folder (default: a new runs/<date>-<time>-<model>-<mask>, and runs/latest "
                         "points to it; with --resume: runs/latest)")
@@ -115,7 +141,8 @@ def build_parser() -> Parser:
                    help="continue from OUT/checkpoint.pt (which must exist). Refused if any of "
                         + ", ".join("--" + k.replace("_", "-") for k in FIXED_ON_RESUME)
                         + " or the data file's contents differ from the checkpoint's run; --lr and --epochs may "
-                          "change (reported on stderr); --out, --device, --stop-after, --quiet, --debug are free")
+                          "change (reported on stderr); --out, --device, --stop-after, --no-checkpoint, --quiet, "
+                          "--debug and the number of ranks are free")
     p.add_argument("--stop-after", type=non_negative_int, default=0,
                    help="stop after this many epochs of this invocation (tests)")
     p.add_argument("--metrics", default=None,
@@ -144,6 +171,11 @@ def parse(argv=None) -> argparse.Namespace:
         a.metric_names = parse_metrics(a.metrics, a.task)
     except ValueError as e:
         p.error(str(e))
+    for key, default in SYNTHETIC_DEFAULTS.items():
+        if a.data == "synthetic" and getattr(a, key) is None:
+            setattr(a, key, default)
+        elif a.data != "synthetic" and getattr(a, key) is not None:
+            p.error(f"--{key.replace('_', '-')}: expected --data synthetic, got --data {a.data}")
     return a
 
 
@@ -262,15 +294,23 @@ class Progress:
 
 
 def prepare_data(a: argparse.Namespace) -> Splits:
-    data = load(a.data, columns=a.columns)
+    if a.data == "synthetic" and a.columns:
+        raise ValueError("--columns: expected a CSV or Parquet --data file, got --data synthetic")
+    if a.data == "synthetic" and a.task == "retrieval":
+        return synthetic_retrieval(a)
+    if a.data == "synthetic":
+        data = synthetic(a.synthetic_users, a.synthetic_items, a.synthetic_len)
+    else:
+        data = load(a.data, columns=a.columns)
     ids = file_ids(data, user_sequences(data))
     if a.task == "retrieval":
         seqs, valid, test = leave_one_out(data)
         if not seqs.items:
             raise ValueError(f"--data {a.data}: expected a user with 3 or more events (one to train on, one to "
                              f"validate, one to test), got none; most events of a user: {_most_events(data)}")
+        train_items = [x[:-2] for x in seqs.items]
         return Splits(data.num_items, len(data), list(range(len(seqs.items))), seqs, valid, test,
-                      train_items=[x[:-2] for x in seqs.items], **ids)
+                      train_items=train_items, **ids)
     seqs = user_sequences(data)
     train_req = make_requests(seqs, "train", max_len=a.max_len, seed=a.seed)
     valid_req = make_requests(seqs, "valid", max_len=a.max_len, seed=a.seed + 1)
@@ -280,6 +320,17 @@ def prepare_data(a: argparse.Namespace) -> Splits:
                          f"unseen items as negatives), got none; most events of a user: {_most_events(data)}")
     return Splits(data.num_items, len(data), list(range(len(train_req.cand_items))), seqs, valid_req, test_req,
                   train_req=train_req, **ids)
+
+
+def synthetic_retrieval(a: argparse.Namespace) -> Splits:
+    """Leave-one-out splits of ``--data synthetic`` whose users are generated when read (any number of users)."""
+    src = SyntheticSource(a.synthetic_users, a.synthetic_items, a.synthetic_len)
+    items, times = src.column(0), src.column(2)
+    seqs = UserSequences(items, src.column(1), times, src.num_items, np.arange(len(src)))
+    small = max(len(src), src.num_items) <= IDS_IN_CHECKPOINT
+    ids = {"item_ids": list(range(1, src.num_items + 1)), "user_ids": list(range(len(src)))} if small else {}
+    return Splits(src.num_items, src.num_events, list(range(len(src))), seqs, LazyItem(items, -2), LazyItem(items, -1),
+                  train_items=src.column(0, 0, -2), **ids)
 
 
 def file_ids(data, seqs: UserSequences) -> dict[str, list]:
@@ -304,25 +355,32 @@ def build_model(a: argparse.Namespace, num_items: int) -> torch.nn.Module:
                         task_tokens=not a.no_task_tokens, dropout=a.dropout)
 
 
-def retrieval_metrics(model, seqs: UserSequences, inputs_end: int, targets: list[int], max_len: int, device,
-                      names: tuple[str, ...] = ("hr@10", "ndcg@10")) -> dict:
-    """The metrics ``names`` (``hr@K``, ``ndcg@K``, ``mrr``) by full-corpus ranking; inputs are each sequence
-    without its last ``inputs_end`` events."""
+def retrieval_metrics(model, seqs: UserSequences, inputs_end: int, targets, max_len: int, device,
+                      names: tuple[str, ...] = ("hr@10", "ndcg@10"), users=None) -> dict:
+    """The metrics ``names`` (``hr@K``, ``ndcg@K``, ``mrr``) by full-corpus ranking of ``users`` (default all);
+    inputs are each sequence without its last ``inputs_end`` events."""
     if hasattr(model, "eval"):
         model.eval()
+    users = range(len(seqs.items)) if users is None else users
     ranks = []
-    for s in range(0, len(seqs.items), 256):
-        items = [x[:len(x) - inputs_end] for x in seqs.items[s:s + 256]]
-        times = [x[:len(x) - inputs_end] for x in seqs.times[s:s + 256]]
-        scores = model.scores(make_batch(items, times, max_len, with_targets=False).to(device)).float().cpu()
-        ranks += [target_rank(scores[r], tgt, torch.from_numpy(hist))
-                  for r, (hist, tgt) in enumerate(zip(items, targets[s:s + 256]))]
+    for s in range(0, len(users), 256):
+        chunk = users[s:s + 256]
+        items = [x[:len(x) - inputs_end] for x in (seqs.items[u] for u in chunk)]
+        times = [x[:len(x) - inputs_end] for x in (seqs.times[u] for u in chunk)]
+        tgts = [int(targets[u]) for u in chunk]
+        batch = make_batch(items, times, max_len, with_targets=False).to(device)
+        scores = model.scores(batch).float().cpu()
+        ranks += [target_rank(scores[r], tgt, torch.from_numpy(hist)) for r, (hist, tgt) in enumerate(zip(items, tgts))]
     return ranks_to_metrics(ranks, list(names))
 
 
-def ranking_metrics(model, req: RankingRequests, device, names: tuple[str, ...] = ("auc", "ndcg@10")) -> dict:
+def ranking_metrics(model, req: RankingRequests, device, names: tuple[str, ...] = ("auc", "ndcg@10"),
+                    requests=None) -> dict:
     """Per task: AUC over all candidates, GAUC (AUC per request, weighted by its candidates), NDCG@K within
-    each candidate list, as ``names`` asks."""
+    each candidate list, as ``names`` asks; over ``requests`` (indices, default all)."""
+    if requests is not None:
+        req = RankingRequests(*([col[i] for i in requests] for col in (req.hist_items, req.hist_times,
+                                                                       req.cand_items, req.labels)))
     model.eval()
     scores, labels = [], []
     with torch.no_grad():
@@ -345,12 +403,21 @@ def ranking_metrics(model, req: RankingRequests, device, names: tuple[str, ...] 
     return out
 
 
+def eval_sample(a: argparse.Namespace, n: int) -> list[int] | None:
+    """The users (ranking: requests) that ``--eval-users`` keeps, the same in every epoch; None for all."""
+    if not a.eval_users or a.eval_users >= n:
+        return None
+    return np.sort(np.random.default_rng(2**31 + 7).choice(n, size=a.eval_users, replace=False)).tolist()
+
+
 def evaluate(a: argparse.Namespace, model, d: Splits, split: str, device) -> dict:
     """Metrics on ``split`` ("valid" or "test")."""
     if a.task == "retrieval":
         inputs_end, targets = (2, d.valid) if split == "valid" else (1, d.test)
-        return retrieval_metrics(model, d.seqs, inputs_end, targets, a.max_len, device, a.metric_names)
-    return ranking_metrics(model, d.valid if split == "valid" else d.test, device, a.metric_names)
+        return retrieval_metrics(model, d.seqs, inputs_end, targets, a.max_len, device, a.metric_names,
+                                 eval_sample(a, len(d.seqs.items)))
+    req = d.valid if split == "valid" else d.test
+    return ranking_metrics(model, req, device, a.metric_names, eval_sample(a, len(req.cand_items)))
 
 
 def validation_score(a: argparse.Namespace, record: dict) -> float:
@@ -382,8 +449,10 @@ def resume(a: argparse.Namespace, d: Splits, ckpt: Path, model: torch.nn.Module,
                                 "start a new run)")
     state = checkpoint.load(ckpt, map_location=device)
     saved, now = state["config"], run_config(a, d)
-    changed = [f"--{k.replace('_', '-')} {saved[k]!r} in the checkpoint, {now[k]!r} now"
-               for k in (*FIXED_ON_RESUME, "data_rows", "num_items") if saved.get(k) != now[k]]
+    parser = build_parser()  # a setting added since the checkpoint was written had its default then
+    was = {k: saved.get(k, parser.get_default(k) if k in FIXED_ON_RESUME else None)
+           for k in (*FIXED_ON_RESUME, "data_rows", "num_items")}
+    changed = [f"--{k.replace('_', '-')} {was[k]!r} in the checkpoint, {now[k]!r} now" for k in was if was[k] != now[k]]
     if changed:
         raise ValueError(f"--resume: expected the run of {ckpt}, got a different one: " + "; ".join(changed))
     model.load_state_dict(state["model"]), opt.load_state_dict(state["opt"])
@@ -410,6 +479,7 @@ def train_epoch(a: argparse.Namespace, epoch: int, d: Splits, model, ddp, opt, r
     per_rank = len(order) // world
     mine = order[rank * per_rank:(rank + 1) * per_rank]
     batches = [mine[i:i + a.batch_size] for i in range(0, len(mine), a.batch_size)]
+    batches = batches[:a.steps_per_epoch] if a.steps_per_epoch else batches
     model.train()
     t0, tokens, losses = time.perf_counter(), 0, []
     bar = tqdm(batches, desc=f"epoch {epoch + 1}/{a.epochs}", disable=a.quiet or rank != 0, dynamic_ncols=True)
@@ -531,18 +601,21 @@ def train(a: argparse.Namespace) -> dict:
             p.epoch = epoch + 1
             score = validation_score(a, record)
             if score > p.best["score"]:
-                p.best = {"score": score, "epoch": epoch + 1, "model": copy.deepcopy(model.state_dict())}
-            checkpoint.save({"config": run_config(a, d), "model": model.state_dict(), "opt": opt.state_dict(),
-                             "history": p.history, "epoch": p.epoch, "best": p.best, "item_ids": d.item_ids,
-                             "user_ids": d.user_ids}, ckpt)
+                p.best = {"score": score, "epoch": epoch + 1,
+                          "model": None if a.no_checkpoint else copy.deepcopy(model.state_dict())}
+            ids = {"item_ids": d.item_ids, "user_ids": d.user_ids} if d.item_ids else {}
+            if not a.no_checkpoint:
+                checkpoint.save({"config": run_config(a, d), "model": model.state_dict(), "opt": opt.state_dict(),
+                                 "history": p.history, "epoch": p.epoch, "best": p.best, **ids}, ckpt)
             if not a.quiet:
                 print(json.dumps(record))
         if world > 1:
             dist.barrier()
     if rank == 0 and len(p.history) >= a.epochs:
+        result["test_epoch"] = len(p.history)
         if p.best["model"] is not None:
             model.load_state_dict(p.best["model"])
-            result["best_epoch"] = p.best["epoch"]
+            result["best_epoch"] = result["test_epoch"] = p.best["epoch"]
         result["test"] = evaluate(a, model, d, "test", device)
     if world > 1:
         checksum = float(sum(t.detach().double().sum() for t in model.parameters()))

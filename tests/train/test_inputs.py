@@ -79,11 +79,13 @@ def test_resume_refuses_a_run_that_changes_the_model_or_data(one_epoch, tmp_path
     assert fragment in str(e.value)
 
 
-def test_resume_refuses_other_data_behind_the_same_name(one_epoch, tmp_path, monkeypatch):
-    out = _copy(one_epoch, tmp_path / "r")
-    monkeypatch.setattr(train, "load", lambda data, columns: synthetic(num_users=200))  # same name, other contents
-    with pytest.raises(UserError, match="--data-rows"):
-        train.main(TINY + ["--epochs", "3", "--resume", "--out", out])
+def test_resume_refuses_other_data_behind_the_same_name(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEXHSTU_CACHE", str(tmp_path / "cache"))
+    argv = TINY[2:] + ["--data", _ratings(tmp_path, 6), "--epochs", "3", "--out", str(tmp_path / "r")]
+    train.main(argv + ["--stop-after", "1"])
+    _ratings(tmp_path, 7)  # same name, other contents
+    with pytest.raises(UserError, match="--data-rows 30 in the checkpoint, 35 now"):
+        train.main(argv + ["--resume"])
 
 
 def test_resume_applies_a_new_learning_rate_and_more_epochs(one_epoch, tmp_path, capsys):
