@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from . import checkpoint
@@ -55,6 +56,7 @@ FIXED_ON_RESUME = ("task", "model", "data", "columns", "mask", "sla_k1", "sla_k2
                    "synthetic_users", "synthetic_items", "synthetic_len", "steps_per_epoch", "eval_users")
 SYNTHETIC_DEFAULTS = {"synthetic_users": 300, "synthetic_items": 200, "synthetic_len": 40}
 IDS_IN_CHECKPOINT = 1 << 20  # a synthetic run records its ids (1..n) for `recommend` up to this many
+WARMUP_STEPS = 3  # steps of each invocation left out of the steady tokens/s (allocation, kernel compilation)
 
 
 def _probability(text: str) -> float:
@@ -117,7 +119,8 @@ def build_parser() -> Parser:
                    help="ranking ablation: plain target tokens, fixed targets mask")
     p.add_argument("--epochs", type=positive_int, default=None,
                    help="default: 60 for retrieval, 4 for ranking; on --resume, a new value extends (or ends) the run")
-    p.add_argument("--batch-size", type=positive_int, default=64, help="sequences (or requests) per step")
+    p.add_argument("--batch-size", type=positive_int, default=64,
+                   help="sequences (or requests) per step, split across the ranks under torchrun")
     p.add_argument("--steps-per-epoch", type=non_negative_int, default=0,
                    help="train on the first N batches of each epoch's order only (0: all)")
     p.add_argument("--dim", type=positive_int, default=64, help="model width")
@@ -188,7 +191,9 @@ def resolve_device(a: argparse.Namespace, rank: int) -> torch.device:
         if not torch.cuda.is_available():
             raise ValueError(f"--device: expected cpu (CUDA is not available here), got '{a.device}'")
         if device.index is None:
-            device = torch.device(f"cuda:{rank % torch.cuda.device_count()}")
+            local = int(os.environ.get("LOCAL_RANK", rank))
+            device = torch.device(f"cuda:{local % torch.cuda.device_count()}")
+        torch.cuda.set_device(device)  # NCCL uses the current device
     return device
 
 
@@ -282,6 +287,7 @@ class Splits:
     train_req: RankingRequests | None = None
     item_ids: list = field(default_factory=list)  # the data file's id of item i at [i - 1]
     user_ids: list = field(default_factory=list)  # the data file's id of the user of sequence s at [s]
+    weights: np.ndarray | None = None  # per unit, what its loss is a mean over: targets (retrieval), candidates
 
 
 @dataclass
@@ -310,7 +316,7 @@ def prepare_data(a: argparse.Namespace) -> Splits:
                              f"validate, one to test), got none; most events of a user: {_most_events(data)}")
         train_items = [x[:-2] for x in seqs.items]
         return Splits(data.num_items, len(data), list(range(len(seqs.items))), seqs, valid, test,
-                      train_items=train_items, **ids)
+                      train_items=train_items, **ids, weights=_targets(np.array([len(x) for x in train_items]), a))
     seqs = user_sequences(data)
     train_req = make_requests(seqs, "train", max_len=a.max_len, seed=a.seed)
     valid_req = make_requests(seqs, "valid", max_len=a.max_len, seed=a.seed + 1)
@@ -319,7 +325,12 @@ def prepare_data(a: argparse.Namespace) -> Splits:
         raise ValueError(f"--data {a.data}: ranking expected a user with {min_events()} or more events (and as many "
                          f"unseen items as negatives), got none; most events of a user: {_most_events(data)}")
     return Splits(data.num_items, len(data), list(range(len(train_req.cand_items))), seqs, valid_req, test_req,
-                  train_req=train_req, **ids)
+                  train_req=train_req, **ids, weights=np.array([len(c) for c in train_req.cand_items]))
+
+
+def _targets(train_lengths: np.ndarray, a: argparse.Namespace) -> np.ndarray:
+    """Next-item targets of each training sequence in a batch (``make_batch``: the last ``max_len`` inputs)."""
+    return np.minimum(np.maximum(train_lengths - 1, 0), a.max_len)
 
 
 def synthetic_retrieval(a: argparse.Namespace) -> Splits:
@@ -330,7 +341,7 @@ def synthetic_retrieval(a: argparse.Namespace) -> Splits:
     small = max(len(src), src.num_items) <= IDS_IN_CHECKPOINT
     ids = {"item_ids": list(range(1, src.num_items + 1)), "user_ids": list(range(len(src)))} if small else {}
     return Splits(src.num_items, src.num_events, list(range(len(src))), seqs, LazyItem(items, -2), LazyItem(items, -1),
-                  train_items=src.column(0, 0, -2), **ids)
+                  train_items=src.column(0, 0, -2), **ids, weights=_targets(src.lengths - 2, a))
 
 
 def file_ids(data, seqs: UserSequences) -> dict[str, list]:
@@ -470,35 +481,94 @@ def resume(a: argparse.Namespace, d: Splits, ckpt: Path, model: torch.nn.Module,
     return Progress(state["history"], state["epoch"], state["best"])
 
 
-def train_epoch(a: argparse.Namespace, epoch: int, d: Splits, model, ddp, opt, rank: int, world: int,
-                device) -> dict:
-    """One epoch over this rank's shard; the order and negatives come from a generator seeded by (seed, epoch)."""
-    torch.manual_seed(a.seed * 1000 + epoch)  # dropout stream of this epoch
+class Throughput:
+    """Input tokens and seconds of this invocation's training steps, all of them and those after the first
+    ``WARMUP_STEPS`` (allocation, kernel compilation); a step is timed from its batch's assembly to its loss
+    on the host (``loss.item()`` waits for the device)."""
+
+    def __init__(self):
+        self.steps, self.tokens, self.seconds = 0, 0, 0.0
+        self.steady_tokens, self.steady_seconds = 0, 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.steps += 1
+        self.tokens, self.seconds = self.tokens + tokens, self.seconds + seconds
+        if self.steps > WARMUP_STEPS:
+            self.steady_tokens, self.steady_seconds = self.steady_tokens + tokens, self.steady_seconds + seconds
+
+    def report(self, world: int, device: torch.device) -> dict:
+        """Totals over the ranks (collective): tokens/s of all ranks together (their tokens over the slowest
+        rank's seconds), per rank, and each rank's own; on CUDA each rank's peak allocated memory."""
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+        mine = [self.tokens, self.seconds, self.steady_tokens, self.steady_seconds, peak]
+        every = [mine] * world
+        if world > 1:
+            every = [None] * world
+            dist.all_gather_object(every, mine)
+
+        def rates(tokens, seconds) -> dict:
+            total, slowest = sum(tokens), max(seconds)
+            rate = total / slowest if slowest > 0 else 0.0
+            return {"tokens": total, "seconds": slowest, "tokens_per_s": rate, "tokens_per_s_per_rank": rate / world,
+                    "each_rank": [t / s if s > 0 else 0.0 for t, s in zip(tokens, seconds)]}
+
+        out = {"ranks": world, "steps": self.steps, **rates([e[0] for e in every], [e[1] for e in every])}
+        if device.type == "cuda":
+            out["peak_memory_gb"] = [e[4] / 1e9 for e in every]
+        if self.steps > WARMUP_STEPS:
+            out["after_warmup"] = {"steps": self.steps - WARMUP_STEPS,
+                                   **rates([e[2] for e in every], [e[3] for e in every])}
+        return out
+
+
+def epoch_batches(a: argparse.Namespace, epoch: int, d: Splits) -> tuple[torch.Generator, list[list[int]]]:
+    """The epoch's steps, ``--batch-size`` units each in an order drawn by a generator seeded by (seed, epoch);
+    the generator then draws the negatives."""
     gen = torch.Generator().manual_seed(a.seed * 1000 + epoch)
     order = torch.randperm(len(d.units), generator=gen).tolist()
-    per_rank = len(order) // world
-    mine = order[rank * per_rank:(rank + 1) * per_rank]
-    batches = [mine[i:i + a.batch_size] for i in range(0, len(mine), a.batch_size)]
-    batches = batches[:a.steps_per_epoch] if a.steps_per_epoch else batches
+    batches = [order[i:i + a.batch_size] for i in range(0, len(order), a.batch_size)]
+    return gen, batches[:a.steps_per_epoch] if a.steps_per_epoch else batches
+
+
+def train_epoch(a: argparse.Namespace, epoch: int, d: Splits, model, ddp, opt, rank: int, world: int,
+                device, speed: Throughput) -> dict:
+    """One epoch. Rank r trains on every world-th unit of each step, its mean loss weighted by its share of the
+    step's targets (ranking: candidates) times the number of ranks, so DDP's mean gradient is the gradient of the
+    whole step's mean loss: a retrieval run without dropout trains the same parameters on any number of ranks,
+    up to float rounding. A rank left without a unit (a short last step) runs one with weight 0, as its
+    collectives need it. The recorded loss is the mean over steps of the whole step's mean loss."""
+    torch.manual_seed(a.seed * 1000 + epoch)  # dropout stream of this epoch
+    gen, batches = epoch_batches(a, epoch, d)
     model.train()
     t0, tokens, losses = time.perf_counter(), 0, []
     bar = tqdm(batches, desc=f"epoch {epoch + 1}/{a.epochs}", disable=a.quiet or rank != 0, dynamic_ncols=True)
-    for idx in bar:
+    for step in bar:
+        start = time.perf_counter()
+        idx = step[rank::world]
+        share = float(d.weights[idx].sum()) / max(float(d.weights[step].sum()), 1.0) if idx else 0.0
+        idx = idx or step[:1]
         if a.task == "retrieval":
             batch = make_batch([d.train_items[i] for i in idx], [d.seqs.times[i][:-2] for i in idx], a.max_len)
             batch = batch.to(device)
             loss = ddp(batch, a.negatives, gen)  # forward is the sampled-softmax loss
-            tokens += batch.items.numel()
+            step_tokens = batch.items.numel()
         else:
             b = collate(d.train_req, idx).to(device)
             loss = onerank_loss(ddp(*b.inputs()), b.labels, b.cand_offsets)
-            tokens += b.hist_items.numel() + b.cand_items.numel() * model.group_size
+            step_tokens = b.hist_items.numel() + b.cand_items.numel() * model.group_size
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss * (share * world) if world > 1 else loss).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        losses.append(loss.item())
+        losses.append(loss.item() * share if world > 1 else loss.item())
+        step_tokens = step_tokens if share > 0 or world == 1 else 0
+        tokens += step_tokens
+        speed.add(step_tokens, time.perf_counter() - start)
         bar.set_postfix(loss=f"{np.mean(losses[-20:]):.4f}", tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
+    if world > 1:  # each rank holds its share of every step's loss
+        summed = torch.tensor(losses, dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
+        dist.all_reduce(summed)
+        losses = summed.tolist()
     return {"epoch": epoch + 1, "loss": float(np.mean(losses)), "seconds": time.perf_counter() - t0}
 
 
@@ -560,10 +630,24 @@ def write(result: dict, history: list[dict], out: Path, rank: int, a: argparse.N
             plot(history, out / "metrics.png", plot_title(a), result.get("best_epoch"))
         if not a.quiet:
             print(json.dumps({"test": result.get("test")}))
+            if "throughput" in result:
+                print(f"flexhstu train: {throughput_line(result['throughput'])}")
             written = ", ".join(f.name for f in sorted(out.iterdir()) if f.is_file() and not f.name.startswith("."))
             best = f"; best epoch {result['best_epoch']} of {len(history)}" if "best_epoch" in result else ""
             print(f"flexhstu train: wrote {out}/ ({written}){best}")
     return result
+
+
+def throughput_line(t: dict) -> str:
+    """The tokens/s report of ``Throughput.report`` in one line."""
+    ranks = f"{t['ranks']} rank{'s' * (t['ranks'] > 1)}"
+    line = (f"{t['tokens_per_s']:,.0f} tokens/s on {ranks} ({t['tokens_per_s_per_rank']:,.0f} per rank) over "
+            f"{t['steps']} steps")
+    if "after_warmup" in t:
+        w = t["after_warmup"]
+        line += (f"; after the first {WARMUP_STEPS} steps {w['tokens_per_s']:,.0f} tokens/s "
+                 f"({w['tokens_per_s_per_rank']:,.0f} per rank)")
+    return line
 
 
 def main(argv=None) -> dict:
@@ -585,16 +669,19 @@ def train(a: argparse.Namespace) -> dict:
         return write(result | run_popularity(a, d), [], out, rank, a)
 
     model = build_model(a, d.num_items).to(device)
-    ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    ddp = model
+    if world > 1:
+        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01)
     ckpt = out / "checkpoint.pt"
     p = Progress()
     if a.resume:
         with user_input():
             p = resume(a, d, ckpt, model, opt, device, rank)
+    speed = Throughput()
     last = min(a.epochs, p.epoch + a.stop_after) if a.stop_after else a.epochs
     for epoch in range(p.epoch, last):
-        record = train_epoch(a, epoch, d, model, ddp, opt, rank, world, device)
+        record = train_epoch(a, epoch, d, model, ddp, opt, rank, world, device, speed)
         if rank == 0:
             record.update({f"valid {k}": v for k, v in evaluate(a, model, d, "valid", device).items()})
             p.history.append(record)
@@ -611,6 +698,8 @@ def train(a: argparse.Namespace) -> dict:
                 print(json.dumps(record))
         if world > 1:
             dist.barrier()
+    if speed.steps or world > 1:
+        result["throughput"] = speed.report(world, device)
     if rank == 0 and len(p.history) >= a.epochs:
         result["test_epoch"] = len(p.history)
         if p.best["model"] is not None:
