@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from . import checkpoint
+from . import checkpoint, distributed
 from .cli.common import Parser, non_negative_int, positive_int, run, user_input
 from .data import load, synthetic
 from .data.movielens import parse_columns
@@ -50,10 +50,12 @@ from .models.ranking import TASKS, RankingRequests, collate, min_events
 from .nn import onerank_loss
 
 # Arguments that define the model, its data or its sample streams: ``--resume`` refuses a change to any of
-# them, since the resumed run would silently become a different experiment.
+# them, since the resumed run would silently become a different experiment. ``--shard-embeddings`` decides
+# the checkpoint's format, so it stays too; the number of ranks may change.
 FIXED_ON_RESUME = ("task", "model", "data", "columns", "mask", "sla_k1", "sla_k2", "no_rel_bias", "no_task_tokens",
                    "dim", "layers", "heads", "max_len", "dropout", "negatives", "batch_size", "seed",
-                   "synthetic_users", "synthetic_items", "synthetic_len", "steps_per_epoch", "eval_users")
+                   "synthetic_users", "synthetic_items", "synthetic_len", "steps_per_epoch", "eval_users",
+                   "shard_embeddings")
 SYNTHETIC_DEFAULTS = {"synthetic_users": 300, "synthetic_items": 200, "synthetic_len": 40}
 IDS_IN_CHECKPOINT = 1 << 20  # a synthetic run records its ids (1..n) for `recommend` up to this many
 WARMUP_STEPS = 3  # steps of each invocation left out of the steady tokens/s (allocation, kernel compilation)
@@ -135,6 +137,11 @@ def build_parser() -> Parser:
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the weights, the order and the negatives")
     p.add_argument("--eval-users", type=non_negative_int, default=0,
                    help="validate and test on a fixed random sample of N users (ranking: requests); 0: all")
+    p.add_argument("--shard-embeddings", choices=distributed.SHARDING, default="none",
+                   help="under torchrun, the item table: whole on every rank (none), split by rows (rowwise: a "
+                        "DTensor; no rank ever holds more than its rows) or FSDP2's fully_shard (fsdp: sharded "
+                        "between steps, gathered whole for each step). Sharded runs save torch.distributed."
+                        "checkpoint folders, resumable on any number of ranks")
     p.add_argument("--no-checkpoint", action="store_true",
                    help="write no checkpoint (benchmarks); the test metrics are then the last epoch's")
     p.add_argument("--out", default=None,
@@ -179,6 +186,9 @@ def parse(argv=None) -> argparse.Namespace:
             setattr(a, key, default)
         elif a.data != "synthetic" and getattr(a, key) is not None:
             p.error(f"--{key.replace('_', '-')}: expected --data synthetic, got --data {a.data}")
+    if a.model == "popularity" and a.shard_embeddings != "none":
+        p.error("--shard-embeddings: expected none for --model popularity (it has no item table), "
+                f"got {a.shard_embeddings}")
     return a
 
 
@@ -193,16 +203,8 @@ def resolve_device(a: argparse.Namespace, rank: int) -> torch.device:
         if device.index is None:
             local = int(os.environ.get("LOCAL_RANK", rank))
             device = torch.device(f"cuda:{local % torch.cuda.device_count()}")
-        torch.cuda.set_device(device)  # NCCL uses the current device
+        torch.cuda.set_device(device)  # NCCL and DeviceMesh use the current device
     return device
-
-
-def _dist() -> tuple[int, int]:
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 RUNS = Path("runs")
@@ -355,24 +357,42 @@ def _most_events(data) -> int:
     return int(np.unique(data.user, return_counts=True)[1].max())
 
 
-def build_model(a: argparse.Namespace, num_items: int) -> torch.nn.Module:
+def build_model(a: argparse.Namespace, num_items: int, items: torch.nn.Module | None = None) -> torch.nn.Module:
+    """The model of ``a``; ``items`` is its item table module (default a new ``nn.Embedding``)."""
     if a.model == "hstu":
         return HSTURetrieval(num_items, dim=a.dim, layers=a.layers, heads=a.heads, max_len=a.max_len, mask=a.mask,
-                             sla_k1=a.sla_k1, sla_k2=a.sla_k2, dropout=a.dropout, rel_bias=not a.no_rel_bias)
+                             sla_k1=a.sla_k1, sla_k2=a.sla_k2, dropout=a.dropout, rel_bias=not a.no_rel_bias,
+                             items=items)
     if a.model == "sasrec":
         return SASRecRetrieval(num_items, dim=a.dim, layers=a.layers, heads=a.heads, max_len=a.max_len,
-                               dropout=a.dropout)
+                               dropout=a.dropout, items=items)
     return OneRankModel(num_items, dim=a.dim, layers=a.layers, heads=a.heads, max_len=a.max_len,
-                        task_tokens=not a.no_task_tokens, dropout=a.dropout)
+                        task_tokens=not a.no_task_tokens, dropout=a.dropout, items=items)
+
+
+def build_item_table(a: argparse.Namespace, num_items: int, world: int, device) -> distributed.ItemTable:
+    """The item table of ``--shard-embeddings`` after checking that its state fits every rank (one line naming
+    the sizes, before anything is allocated); its rows depend only on ``--seed``."""
+    rows = num_items + 1
+    free = distributed.free_bytes(device)
+    if world > 1:  # every rank decides on the smallest free memory, so all refuse or none
+        t = torch.tensor([free], dtype=torch.int64, device=device if device.type == "cuda" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        free = int(t)
+    where = f"{device}" if world == 1 else f"the emptiest of {world} ranks ({device.type})"
+    distributed.check_table_memory(rows, a.dim, a.shard_embeddings, world, free, where)
+    return distributed.item_table(rows, a.dim, seed=a.seed, sharding=a.shard_embeddings, world=world, device=device)
 
 
 def retrieval_metrics(model, seqs: UserSequences, inputs_end: int, targets, max_len: int, device,
                       names: tuple[str, ...] = ("hr@10", "ndcg@10"), users=None) -> dict:
     """The metrics ``names`` (``hr@K``, ``ndcg@K``, ``mrr``) by full-corpus ranking of ``users`` (default all);
-    inputs are each sequence without its last ``inputs_end`` events."""
+    inputs are each sequence without its last ``inputs_end`` events. A model whose item table is sharded ranks
+    on every rank (all must call this)."""
     if hasattr(model, "eval"):
         model.eval()
     users = range(len(seqs.items)) if users is None else users
+    sharded = distributed.is_sharded(model)
     ranks = []
     for s in range(0, len(users), 256):
         chunk = users[s:s + 256]
@@ -380,6 +400,9 @@ def retrieval_metrics(model, seqs: UserSequences, inputs_end: int, targets, max_
         times = [x[:len(x) - inputs_end] for x in (seqs.times[u] for u in chunk)]
         tgts = [int(targets[u]) for u in chunk]
         batch = make_batch(items, times, max_len, with_targets=False).to(device)
+        if sharded:
+            ranks += distributed.sharded_ranks(model, batch, tgts, items)
+            continue
         scores = model.scores(batch).float().cpu()
         ranks += [target_rank(scores[r], tgt, torch.from_numpy(hist)) for r, (hist, tgt) in enumerate(zip(items, tgts))]
     return ranks_to_metrics(ranks, list(names))
@@ -452,9 +475,11 @@ def run_config(a: argparse.Namespace, d: Splits) -> dict:
             "lr": a.lr, "epochs": a.epochs}
 
 
-def resume(a: argparse.Namespace, d: Splits, ckpt: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, device,
+def resume(a: argparse.Namespace, d: Splits, out: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, device,
            rank: int) -> Progress:
-    """Weights, optimizer and progress from ``ckpt``, after checking that this run is the checkpoint's run."""
+    """Weights, optimizer and progress from ``out/checkpoint.pt`` (and the sharded folder it names), after checking
+    that this run is the checkpoint's run. A sharded state is read into this run's sharding (any number of ranks)."""
+    ckpt = out / "checkpoint.pt"
     if not ckpt.is_file():
         raise FileNotFoundError(f"--resume: expected a checkpoint at {ckpt}, no such file (leave out --resume to "
                                 "start a new run)")
@@ -466,7 +491,10 @@ def resume(a: argparse.Namespace, d: Splits, ckpt: Path, model: torch.nn.Module,
     changed = [f"--{k.replace('_', '-')} {was[k]!r} in the checkpoint, {now[k]!r} now" for k in was if was[k] != now[k]]
     if changed:
         raise ValueError(f"--resume: expected the run of {ckpt}, got a different one: " + "; ".join(changed))
-    model.load_state_dict(state["model"]), opt.load_state_dict(state["opt"])
+    if "sharded" in state:
+        checkpoint.load_sharded(out / state["sharded"], model, opt)
+    else:
+        model.load_state_dict(state["model"]), opt.load_state_dict(state["opt"])
     notes = []
     if saved["lr"] != a.lr:
         for group in opt.param_groups:
@@ -479,6 +507,33 @@ def resume(a: argparse.Namespace, d: Splits, ckpt: Path, model: torch.nn.Module,
         for note in notes:
             print(f"flexhstu train: resuming: {note}", file=sys.stderr)
     return Progress(state["history"], state["epoch"], state["best"])
+
+
+def save_checkpoint(a: argparse.Namespace, d: Splits, out: Path, model, opt, p: Progress, new_best: bool,
+                    rank: int) -> None:
+    """``out/checkpoint.pt`` after an epoch. With ``--shard-embeddings none`` it holds the weights, the optimizer
+    and the best epoch's weights (rank 0 writes it). Otherwise every rank writes its shards with
+    torch.distributed.checkpoint to ``out/sharded/epoch-N`` (and ``best-N`` at a new best), and ``checkpoint.pt``,
+    replaced last, names them; folders it no longer names are then deleted."""
+    meta = {"config": run_config(a, d), "history": p.history, "epoch": p.epoch}
+    if d.item_ids:
+        meta.update(item_ids=d.item_ids, user_ids=d.user_ids)
+    if a.shard_embeddings == "none":
+        if new_best:
+            p.best["model"] = copy.deepcopy(model.state_dict())
+        checkpoint.save({**meta, "model": model.state_dict(), "opt": opt.state_dict(), "best": p.best},
+                        out / "checkpoint.pt")
+        return
+    if new_best:
+        p.best["dir"] = f"sharded/best-{p.epoch:04d}"
+        checkpoint.save_sharded(out / p.best["dir"], model)
+    state = f"sharded/epoch-{p.epoch:04d}"
+    checkpoint.save_sharded(out / state, model, opt)
+    if rank == 0:
+        checkpoint.save({**meta, "sharded": state, "best": p.best}, out / "checkpoint.pt")
+        checkpoint.remove_unreferenced(out / "sharded", {Path(state).name, Path(p.best.get("dir", "")).name})
+    if dist.is_initialized():
+        dist.barrier()
 
 
 class Throughput:
@@ -539,6 +594,7 @@ def train_epoch(a: argparse.Namespace, epoch: int, d: Splits, model, ddp, opt, r
     collectives need it. The recorded loss is the mean over steps of the whole step's mean loss."""
     torch.manual_seed(a.seed * 1000 + epoch)  # dropout stream of this epoch
     gen, batches = epoch_batches(a, epoch, d)
+    sharded = distributed.is_sharded(model)
     model.train()
     t0, tokens, losses = time.perf_counter(), 0, []
     bar = tqdm(batches, desc=f"epoch {epoch + 1}/{a.epochs}", disable=a.quiet or rank != 0, dynamic_ncols=True)
@@ -558,7 +614,10 @@ def train_epoch(a: argparse.Namespace, epoch: int, d: Splits, model, ddp, opt, r
             step_tokens = b.hist_items.numel() + b.cand_items.numel() * model.group_size
         opt.zero_grad(set_to_none=True)
         (loss * (share * world) if world > 1 else loss).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if sharded:
+            distributed.clip_grad_norm_(model.parameters(), 1.0, group=model.encoder.items.group)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         losses.append(loss.item() * share if world > 1 else loss.item())
         step_tokens = step_tokens if share > 0 or world == 1 else 0
@@ -656,7 +715,7 @@ def main(argv=None) -> dict:
 
 
 def train(a: argparse.Namespace) -> dict:
-    rank, world = _dist()
+    rank, world, created = distributed.setup()
     with user_input():
         device = resolve_device(a, rank)
     with user_input("--out"):
@@ -668,50 +727,80 @@ def train(a: argparse.Namespace) -> dict:
     if a.model == "popularity":
         return write(result | run_popularity(a, d), [], out, rank, a)
 
-    model = build_model(a, d.num_items).to(device)
+    with user_input():
+        table = build_item_table(a, d.num_items, world, device)
+    model = build_model(a, d.num_items, items=table).to(device)
+    collective = table.sharded  # every rank reads a sharded table: all evaluate and save, rank 0 writes
     ddp = model
     if world > 1:
+        if collective:  # the table's gradient reaches its owner through the lookup, not through DDP
+            DDP._set_params_and_buffers_to_ignore_for_model(model, ["encoder.items.weight"])
         ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01)
-    ckpt = out / "checkpoint.pt"
+    opt = torch.optim.AdamW(param_groups(a, model), lr=a.lr, weight_decay=0.01)
     p = Progress()
     if a.resume:
         with user_input():
-            p = resume(a, d, ckpt, model, opt, device, rank)
+            p = resume(a, d, out, model, opt, device, rank)
     speed = Throughput()
     last = min(a.epochs, p.epoch + a.stop_after) if a.stop_after else a.epochs
     for epoch in range(p.epoch, last):
         record = train_epoch(a, epoch, d, model, ddp, opt, rank, world, device, speed)
-        if rank == 0:
+        if rank == 0 or collective:
             record.update({f"valid {k}": v for k, v in evaluate(a, model, d, "valid", device).items()})
             p.history.append(record)
             p.epoch = epoch + 1
             score = validation_score(a, record)
-            if score > p.best["score"]:
-                p.best = {"score": score, "epoch": epoch + 1,
-                          "model": None if a.no_checkpoint else copy.deepcopy(model.state_dict())}
-            ids = {"item_ids": d.item_ids, "user_ids": d.user_ids} if d.item_ids else {}
+            new_best = score > p.best["score"]
+            if new_best:
+                p.best = {"score": score, "epoch": epoch + 1, "model": None}
             if not a.no_checkpoint:
-                checkpoint.save({"config": run_config(a, d), "model": model.state_dict(), "opt": opt.state_dict(),
-                                 "history": p.history, "epoch": p.epoch, "best": p.best, **ids}, ckpt)
-            if not a.quiet:
+                save_checkpoint(a, d, out, model, opt, p, new_best, rank)
+            if rank == 0 and not a.quiet:
                 print(json.dumps(record))
         if world > 1:
             dist.barrier()
     if speed.steps or world > 1:
         result["throughput"] = speed.report(world, device)
-    if rank == 0 and len(p.history) >= a.epochs:
+    if (rank == 0 or collective) and len(p.history) >= a.epochs:
         result["test_epoch"] = len(p.history)
-        if p.best["model"] is not None:
-            model.load_state_dict(p.best["model"])
+        if p.best["epoch"] and not a.no_checkpoint:
+            if p.best.get("dir"):
+                with user_input():
+                    checkpoint.load_sharded(out / p.best["dir"], model)
+            elif p.best["model"] is not None:
+                model.load_state_dict(p.best["model"])
             result["best_epoch"] = result["test_epoch"] = p.best["epoch"]
         result["test"] = evaluate(a, model, d, "test", device)
     if world > 1:
-        checksum = float(sum(t.detach().double().sum() for t in model.parameters()))
-        (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "checksum": checksum}))
+        (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "checksum": checksum(model)}))
         dist.barrier()
+    if created:
         dist.destroy_process_group()
     return write(result, p.history, out, rank, a)
+
+
+def param_groups(a: argparse.Namespace, model: torch.nn.Module):
+    """AdamW's parameters: one group (``--shard-embeddings none``, as always), else the dense parameters and the
+    item table apart (on every number of ranks, so a sharded checkpoint resumes anywhere): a sharded table is a
+    DTensor, which torch's multi-tensor kernels do not mix with plain tensors, and its group takes the fused
+    kernel, which updates in place where the multi-tensor one would allocate a table-sized temporary."""
+    if a.shard_embeddings == "none":
+        return model.parameters()
+    dense = [q for n, q in model.named_parameters() if n != "encoder.items.weight"]
+    return [{"params": dense}, {"params": [model.encoder.items.weight], "fused": True}]
+
+
+def checksum(model: torch.nn.Module) -> float:
+    """The sum of every parameter (a sharded one summed over the ranks): equal on every rank of a healthy run."""
+    total = 0.0
+    for q in model.parameters():
+        if hasattr(q, "to_local") and any(pl.is_shard() for pl in q.placements):
+            part = q.to_local().detach().sum(dtype=torch.float64).reshape(1)
+            dist.all_reduce(part, group=q.device_mesh.get_group())
+            total += float(part)
+        else:
+            total += float((q.to_local() if hasattr(q, "to_local") else q).detach().sum(dtype=torch.float64))
+    return total
 
 
 def cli(argv=None) -> int:
