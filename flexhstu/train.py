@@ -102,13 +102,13 @@ def build_parser() -> Parser:
                    help="ml-100k, synthetic, a ratings.dat / ratings.csv / .parquet path, or any CSV / Parquet file "
                         "of interactions with --columns")
     p.add_argument("--synthetic-users", type=positive_int, default=None,
-                   help=f"--data synthetic: users (default {SYNTHETIC_DEFAULTS['synthetic_users']}); each user's "
+                   help=f"users of --data synthetic (not given: {SYNTHETIC_DEFAULTS['synthetic_users']}); each user's "
                         "events are generated when read, so 10^6 users cost only their lengths in memory")
     p.add_argument("--synthetic-items", type=positive_int, default=None,
-                   help=f"--data synthetic: items (default {SYNTHETIC_DEFAULTS['synthetic_items']})")
+                   help=f"items of --data synthetic (not given: {SYNTHETIC_DEFAULTS['synthetic_items']})")
     p.add_argument("--synthetic-len", type=_at_least_3, default=None,
-                   help=f"--data synthetic: most events of a user (default {SYNTHETIC_DEFAULTS['synthetic_len']}); "
-                        "lengths are uniform from half of it")
+                   help=f"most events of a user of --data synthetic (not given: "
+                        f"{SYNTHETIC_DEFAULTS['synthetic_len']}); lengths are uniform from half of it")
     p.add_argument("--columns", type=_columns, default=None,
                    help="the --data file's column names, e.g. user=uid,item=iid,time=ts,rating=r (rating is "
                         "optional: 1.0 for every event without it); ids may be integers or strings, time integers")
@@ -182,10 +182,10 @@ def parse(argv=None) -> argparse.Namespace:
     except ValueError as e:
         p.error(str(e))
     for key, default in SYNTHETIC_DEFAULTS.items():
-        if a.data == "synthetic" and getattr(a, key) is None:
-            setattr(a, key, default)
-        elif a.data != "synthetic" and getattr(a, key) is not None:
+        given = getattr(a, key, None)
+        if a.data != "synthetic" and given is not None:
             p.error(f"--{key.replace('_', '-')}: expected --data synthetic, got --data {a.data}")
+        setattr(a, key, (default if given is None else given) if a.data == "synthetic" else None)
     if a.model == "popularity" and a.shard_embeddings != "none":
         p.error("--shard-embeddings: expected none for --model popularity (it has no item table), "
                 f"got {a.shard_embeddings}")
@@ -486,8 +486,7 @@ def resume(a: argparse.Namespace, d: Splits, out: Path, model: torch.nn.Module, 
     state = checkpoint.load(ckpt, map_location=device)
     saved, now = state["config"], run_config(a, d)
     parser = build_parser()  # a setting added since the checkpoint was written had its default then
-    was = {k: saved.get(k, parser.get_default(k) if k in FIXED_ON_RESUME else None)
-           for k in (*FIXED_ON_RESUME, "data_rows", "num_items")}
+    was = {k: saved.get(k, _default(parser, k)) for k in (*FIXED_ON_RESUME, "data_rows", "num_items")}
     changed = [f"--{k.replace('_', '-')} {was[k]!r} in the checkpoint, {now[k]!r} now" for k in was if was[k] != now[k]]
     if changed:
         raise ValueError(f"--resume: expected the run of {ckpt}, got a different one: " + "; ".join(changed))
@@ -507,6 +506,11 @@ def resume(a: argparse.Namespace, d: Splits, out: Path, model: torch.nn.Module, 
         for note in notes:
             print(f"flexhstu train: resuming: {note}", file=sys.stderr)
     return Progress(state["history"], state["epoch"], state["best"])
+
+
+def _default(parser: Parser, key: str):
+    """What a run had for ``key`` before the setting existed: its default."""
+    return parser.get_default(key) if key in FIXED_ON_RESUME else None
 
 
 def save_checkpoint(a: argparse.Namespace, d: Splits, out: Path, model, opt, p: Progress, new_best: bool,
