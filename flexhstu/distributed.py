@@ -111,8 +111,8 @@ class ItemTable(nn.Module):
             raise bad_value("mesh", f"a DeviceMesh for mode {mode!r}", None)
         self.mode, self.mesh = mode, mesh
         self.world = mesh.size() if mesh is not None else 1
-        if mode != "whole" and shard_range(num_rows, self.world, self.world - 1)[1] <= \
-                shard_range(num_rows, self.world, self.world - 1)[0]:
+        last_start, last_end = shard_range(num_rows, self.world, self.world - 1)
+        if last_end <= last_start:
             raise bad_value("num_rows", f"enough rows to give each of {self.world} ranks some", num_rows)
         start, end = self.row_range() if mode == "rowwise" else (0, num_rows)
         local = init_rows(torch.empty(end - start, dim, device=device), start, seed, dim**-0.5)
@@ -167,7 +167,10 @@ class ItemTable(nn.Module):
         local = self.weight.to_local()
         start, end = self.row_range()
         mine = (wanted >= start) & (wanted < end)
-        rows = F.embedding(torch.where(mine, wanted - start, 0), local) * mine[:, None].to(local.dtype)
+        # padding_idx: global row 0 (rank 0's local row 0) gets no gradient, as nn.Embedding's; rows of other ranks
+        # are zeroed with where, so not even a non-finite gradient reaches the row they were read from
+        rows = F.embedding(torch.where(mine, wanted - start, 0), local, padding_idx=0 if start == 0 else None)
+        rows = torch.where(mine[:, None], rows, 0.0)
         # the ranks' partial rows summed, and rank r's block of `width` rows returned to it: a reduce-scatter,
         # whose backward (an all-gather of the row gradients) brings each gradient to the rank that owns the row
         out = DTensor.from_local(rows, self.mesh, [Partial()], run_check=False)

@@ -54,6 +54,32 @@ def test_table_rows_depend_only_on_the_seed_and_the_row():
                                                          (distributed.shard_range(11, 3, r) for r in range(3))]
 
 
+@pytest.fixture
+def one_rank_group(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_rowwise_lookup_reads_and_trains_rows_as_nn_embedding_does(one_rank_group):
+    sharded = distributed.ItemTable(50, 4, seed=1, mode="rowwise", mesh=distributed.table_mesh(torch.device("cpu")))
+    whole = distributed.ItemTable(50, 4, seed=1)
+    reference = torch.nn.Embedding(50, 4, padding_idx=0)
+    with torch.no_grad():
+        reference.weight.copy_(whole.weight)
+    ids = torch.tensor([[3, 0, 49], [3, 7, 0]])  # a repeated row, the padding row 0
+    g = torch.randn(2, 3, 4)
+    for table in (sharded, whole, reference):
+        out = table(ids)
+        assert out.shape == (2, 3, 4) and torch.equal(out, reference.weight[ids].detach())
+        (out * g).sum().backward()
+    grad = sharded.weight.grad.to_local()
+    assert torch.equal(grad, reference.weight.grad) and torch.equal(whole.weight.grad, reference.weight.grad)
+    assert grad[0].abs().sum() == 0 and torch.allclose(grad[3], g[0, 0] + g[1, 0])
+
+
 def test_table_memory_counts_the_table_its_gradient_and_adams_moments():
     rows, dim = 10**8 + 1, 128
     assert distributed.table_bytes(rows, dim, "none", 1) == 4 * rows * dim * 4
