@@ -12,7 +12,8 @@ backward ``14 * pairs * D``. SDPA runs causal on padded ``(B, H, S, D)`` and is 
 causal pairs. FlexAttention gets the same mask through a ``mask_mod`` (the causal rule in closed
 form, else reading the func), its ``BlockMask`` built once outside the timed region, and
 ``torch.compile(flex_attention)`` (compile time outside the timed region). ``eff / C`` is a
-configuration's effective TFLOP/s over causal C's in the same run.
+configuration's effective TFLOP/s over causal C's in the same run. Each configuration builds its block plan
+once (``flexhstu.build_plan``, as a model does per batch) and every timed call reuses it.
 
     flexhstu bench --suite                         # the configurations of benchmarks/RESULTS.md
     flexhstu bench --batch 8 --seq 4096 --mask sla --sla-k1 256 --sla-k2 32   # your own shape
@@ -29,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from . import Kernel, hstu_mha, masks
+from . import Kernel, build_plan, hstu_mha, masks
 from .cli.common import Parser
 from .jagged import offsets_from_lengths
 
@@ -52,6 +53,7 @@ class Case:
     density: float = 0.1  # random: expected fraction of a row's keys
     sdpa: bool = True
     flex: bool = True
+    sparse: bool | None = None  # build_plan's tile hint (None: decided from the mask)
 
 
 @dataclass
@@ -80,6 +82,8 @@ class Row:
 
 
 def suite() -> list[Case]:
+    """The configurations of benchmarks/RESULTS.md. FlexAttention (compiled once per mask, ~30 s each) runs
+    on the causal, window and SLA ones, where the issue's comparison is made."""
     s, w = [8192], 256
     return [
         Case("A causal B32 S1024", [1024] * 32, flex=False),
@@ -87,12 +91,12 @@ def suite() -> list[Case]:
         Case("C causal B4 S8192", s * 4),
         Case("C targets 256", s * 4, mask="targets", targets=256, flex=False),
         Case("W window 256 B32", s * 32, mask="window", window=w),
-        Case("W+T window 256 targets 256 B32", s * 32, mask="window", window=w, targets=256),
-        Case("S3 SLA 256/32 B32", s * 32, mask="sla"),
-        Case("S5 SLA 256/32 NFUNC5 B32", s * 32, mask="sla", nfunc=5),
-        Case("O OneRank B16 7424+64x12", [7424 + 64 * 12] * 16, mask="onerank", targets=64 * 12),
-        Case("L SLA one seq 131072", [131072], mask="sla", sdpa=False, flex=False),
-        Case("R random NFUNC5 per head 10% B8", s * 8, mask="random", nfunc=5),
+        Case("W+T window 256 targets 256 B32", s * 32, mask="window", window=w, targets=256, flex=False),
+        Case("S3 SLA 256/32 B32", s * 32, mask="sla", sparse=True),
+        Case("S5 SLA 256/32 NFUNC5 B32", s * 32, mask="sla", nfunc=5, sparse=True),
+        Case("O OneRank B16 7424+64x12", [7424 + 64 * 12] * 16, mask="onerank", targets=64 * 12, flex=False),
+        Case("L SLA one seq 131072", [131072], mask="sla", sdpa=False, flex=False, sparse=True),
+        Case("R random NFUNC5 per head 10% B8", s * 8, mask="random", nfunc=5, flex=False, sparse=True),
     ]
 
 
@@ -226,8 +230,10 @@ def run_case(case: Case, *, repeats: int = 3, warmup: int = 10, rep: int = 40, f
     def timing(fn):
         return _median_of(fn, repeats, warmup, rep)
 
+    plan = build_plan(offs, total=total, max_seq_len=n, sparse=case.sparse, **kw)  # once per batch, as a model
+
     def fwd():
-        return hstu_mha(n, None, q, k, v, offs, kernel=Kernel.TRITON, **kw)
+        return hstu_mha(n, None, q, k, v, offs, kernel=Kernel.TRITON, attn_plan=plan, **kw)
 
     def fb():
         return torch.autograd.grad(fwd(), (q, k, v), dout)
@@ -314,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=int, default=256, help="max_attn_len of --mask window")
     p.add_argument("--targets", type=int, default=0)
     p.add_argument("--group-size", type=int, default=12)
+    p.add_argument("--sparse", action="store_true", help="tell the block plan the mask is sparse (smaller tiles)")
     p.add_argument("--json", default="", help="also write the rows as JSON here (after every configuration)")
     a = p.parse_args(argv)
     if a.repeats < 1:
@@ -328,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         cases = [Case(f"custom {a.mask}", [a.seq] * a.batch, heads=a.heads, dim=a.dim, mask=a.mask, nfunc=a.nfunc,
                       k1=a.sla_k1, k2=a.sla_k2, window=a.window if a.mask == "window" else 0, targets=a.targets,
-                      group=a.group_size)]
+                      group=a.group_size, sparse=True if a.sparse else None)]
     rows = []
     t_start = time.perf_counter()
     for c in cases:

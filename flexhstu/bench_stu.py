@@ -98,7 +98,7 @@ def mask_kwargs(a: argparse.Namespace, mask: str, offs: torch.Tensor) -> dict:
         return {}
     if mask == "window":
         return {"max_attn_len": a.window}
-    return {"attn_func": masks.sla(offs, a.sla_k1, a.sla_k2)}
+    return {"attn_func": masks.sla(offs, a.sla_k1, a.sla_k2), "sparse": True}
 
 
 def _timer(device: torch.device):

@@ -4,17 +4,29 @@
 the checkpoint (``os.replace`` is atomic) and fsyncs the folder, so a crash at any moment leaves
 either the previous checkpoint or the new one, never a truncated file. ``load`` refuses anything
 without the format marker (a foreign or half-written file) with one error naming the file.
+
+Sharded state (a model whose item table is split across ranks, and its optimizer) is written with
+``torch.distributed.checkpoint`` (DCP): ``save_sharded`` writes every rank's shards into a temporary folder
+(DCP fsyncs each file) and renames it into place once complete; ``load_sharded`` reads it into a model of
+any sharding and any number of ranks (DCP reshards). The run's ``checkpoint.pt`` names the folders it
+belongs to and is replaced last, so it is the commit point: a kill at any moment leaves the previous
+``checkpoint.pt`` and the folders it names; ``remove_unreferenced`` deletes the rest after a commit.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import tempfile
+import warnings
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 FORMAT = "flexhstu-checkpoint"
 VERSION = 1
@@ -33,12 +45,16 @@ def save(state: dict, path: str | os.PathLike) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
-    folder = os.open(path.parent, os.O_RDONLY)
+    _fsync_folder(path.parent)  # the rename itself must reach the disk
+    _remove_orphans(path)
+
+
+def _fsync_folder(path: Path) -> None:
+    folder = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(folder)  # the rename itself must reach the disk
+        os.fsync(folder)
     finally:
         os.close(folder)
-    _remove_orphans(path)
 
 
 def _remove_orphans(path: Path) -> None:
@@ -80,3 +96,84 @@ def load(path: str | os.PathLike, map_location=None) -> dict:
         raise ValueError(f"{path}: expected a flexhstu checkpoint of version {VERSION}, got version "
                          f"{state.get('version')}")
     return state
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+@contextmanager
+def _single_process_ok() -> Iterator[None]:
+    """DCP warns on every save and load in one process (no process group), which is how one rank resumes."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _state(model: torch.nn.Module, opt: torch.optim.Optimizer | None) -> dict:
+    """The model's (and the optimizer's) state keyed by parameter names, shards as DTensors."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if opt is None:
+        return {"model": get_model_state_dict(model)}
+    model_state, opt_state = get_state_dict(model, opt)
+    return {"model": model_state, "optim": opt_state}
+
+
+def save_sharded(folder: str | os.PathLike, model: torch.nn.Module, opt: torch.optim.Optimizer | None = None) -> None:
+    """Write ``model``'s state (and ``opt``'s) to the folder ``folder`` with torch.distributed.checkpoint, every
+    rank its own shards. Collective: every rank calls it. The shards go to ``.NAME.tmp`` beside ``folder``,
+    which is renamed to ``folder`` once every rank's files and DCP's metadata are written and synced; an
+    existing ``folder`` is replaced (it must not be one that a committed ``checkpoint.pt`` names)."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = Path(folder)
+    tmp = folder.with_name(f".{folder.name}.tmp")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a killed run
+        tmp.mkdir(parents=True)
+    _barrier()
+    with _single_process_ok():
+        dcp.save(_state(model, opt), checkpoint_id=tmp, no_dist=not dist.is_initialized())  # each file fsynced
+    _barrier()
+    if rank == 0:
+        _fsync_folder(tmp)
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+        _fsync_folder(folder.parent)
+    _barrier()
+
+
+def load_sharded(folder: str | os.PathLike, model: torch.nn.Module, opt: torch.optim.Optimizer | None = None) -> None:
+    """Read a ``save_sharded`` folder into ``model`` (and ``opt``), whatever their sharding and number of ranks.
+    Collective. ``ValueError`` naming the folder if it is missing or incomplete."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    folder = Path(folder)
+    if not (folder / ".metadata").is_file():
+        raise ValueError(f"{folder}: expected a complete sharded checkpoint (torch.distributed.checkpoint "
+                         "folder with .metadata), got " + ("an incomplete folder" if folder.is_dir() else "no folder"))
+    state = _state(model, opt)
+    try:
+        with _single_process_ok():
+            dcp.load(state, checkpoint_id=folder, no_dist=not dist.is_initialized())
+    except Exception as e:  # DCP wraps every rank's failure in CheckpointException
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{folder}: not a sharded checkpoint of this model ({first})") from e
+    if opt is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def remove_unreferenced(folder: str | os.PathLike, keep: set[str]) -> None:
+    """Delete the entries of ``folder`` whose names are not in ``keep`` (sharded states that no committed
+    ``checkpoint.pt`` names, and temporary folders of killed runs). Run by one process after a commit."""
+    folder = Path(folder)
+    for entry in folder.iterdir() if folder.is_dir() else ():
+        if entry.name not in keep:
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink(missing_ok=True)

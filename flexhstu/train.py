@@ -35,22 +35,30 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from . import checkpoint
+from . import checkpoint, distributed
 from .cli.common import Parser, non_negative_int, positive_int, run, user_input
-from .data import load
+from .data import load, synthetic
 from .data.movielens import parse_columns
 from .data.sequences import UserSequences, leave_one_out, user_sequences
+from .data.synthetic_source import LazyItem, SyntheticSource
 from .metrics import auc, gauc, list_ndcg, metric_key, parse_metrics, ranks_to_metrics, target_rank
 from .models import HSTURetrieval, OneRankModel, Popularity, SASRecRetrieval, make_batch, make_requests
 from .models.ranking import TASKS, RankingRequests, collate, min_events
 from .nn import onerank_loss
 
 # Arguments that define the model, its data or its sample streams: ``--resume`` refuses a change to any of
-# them, since the resumed run would silently become a different experiment.
+# them, since the resumed run would silently become a different experiment. ``--shard-embeddings`` decides
+# the checkpoint's format, so it stays too; the number of ranks may change.
 FIXED_ON_RESUME = ("task", "model", "data", "columns", "mask", "sla_k1", "sla_k2", "no_rel_bias", "no_task_tokens",
-                   "dim", "layers", "heads", "max_len", "dropout", "negatives", "batch_size", "seed")
+                   "dim", "layers", "heads", "max_len", "dropout", "negatives", "batch_size", "seed",
+                   "synthetic_users", "synthetic_items", "synthetic_len", "steps_per_epoch", "eval_users",
+                   "shard_embeddings")
+SYNTHETIC_DEFAULTS = {"synthetic_users": 300, "synthetic_items": 200, "synthetic_len": 40}
+IDS_IN_CHECKPOINT = 1 << 20  # a synthetic run records its ids (1..n) for `recommend` up to this many
+WARMUP_STEPS = 3  # steps of each invocation left out of the steady tokens/s (allocation, kernel compilation)
 
 
 def _probability(text: str) -> float:
@@ -65,6 +73,14 @@ def _columns(text: str) -> dict[str, str]:
         return parse_columns(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e).removeprefix("--columns: ")) from None
+
+
+def _at_least_3(text: str) -> int:
+    value = non_negative_int(text)
+    if value < 3:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 3 (one event to train on, one to validate, one "
+                                         f"to test), got {value}")
+    return value
 
 
 def _positive_float(text: str) -> float:
@@ -85,6 +101,14 @@ def build_parser() -> Parser:
     p.add_argument("--data", default="ml-100k",
                    help="ml-100k, synthetic, a ratings.dat / ratings.csv / .parquet path, or any CSV / Parquet file "
                         "of interactions with --columns")
+    p.add_argument("--synthetic-users", type=positive_int, default=None,
+                   help=f"users of --data synthetic (not given: {SYNTHETIC_DEFAULTS['synthetic_users']}); each user's "
+                        "events are generated when read, so 10^6 users cost only their lengths in memory")
+    p.add_argument("--synthetic-items", type=positive_int, default=None,
+                   help=f"items of --data synthetic (not given: {SYNTHETIC_DEFAULTS['synthetic_items']})")
+    p.add_argument("--synthetic-len", type=_at_least_3, default=None,
+                   help=f"most events of a user of --data synthetic (not given: "
+                        f"{SYNTHETIC_DEFAULTS['synthetic_len']}); lengths are uniform from half of it")
     p.add_argument("--columns", type=_columns, default=None,
                    help="the --data file's column names, e.g. user=uid,item=iid,time=ts,rating=r (rating is "
                         "optional: 1.0 for every event without it); ids may be integers or strings, time integers")
@@ -97,7 +121,10 @@ def build_parser() -> Parser:
                    help="ranking ablation: plain target tokens, fixed targets mask")
     p.add_argument("--epochs", type=positive_int, default=None,
                    help="default: 60 for retrieval, 4 for ranking; on --resume, a new value extends (or ends) the run")
-    p.add_argument("--batch-size", type=positive_int, default=64, help="sequences (or requests) per step")
+    p.add_argument("--batch-size", type=positive_int, default=64,
+                   help="sequences (or requests) per step, split across the ranks under torchrun")
+    p.add_argument("--steps-per-epoch", type=non_negative_int, default=0,
+                   help="train on the first N batches of each epoch's order only (0: all)")
     p.add_argument("--dim", type=positive_int, default=64, help="model width")
     p.add_argument("--layers", type=positive_int, default=2, help="attention layers")
     p.add_argument("--heads", type=positive_int, default=2, help="must divide --dim")
@@ -108,6 +135,15 @@ def build_parser() -> Parser:
     p.add_argument("--negatives", type=positive_int, default=256,
                    help="retrieval: sampled negatives per step of the sampled softmax")
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the weights, the order and the negatives")
+    p.add_argument("--eval-users", type=non_negative_int, default=0,
+                   help="validate and test on a fixed random sample of N users (ranking: requests); 0: all")
+    p.add_argument("--shard-embeddings", choices=distributed.SHARDING, default="none",
+                   help="under torchrun, the item table: whole on every rank (none), split by rows (rowwise: a "
+                        "DTensor; no rank ever holds more than its rows) or FSDP2's fully_shard (fsdp: sharded "
+                        "between steps, gathered whole for each step). Sharded runs save torch.distributed."
+                        "checkpoint folders, resumable on any number of ranks")
+    p.add_argument("--no-checkpoint", action="store_true",
+                   help="write no checkpoint (benchmarks); the test metrics are then the last epoch's")
     p.add_argument("--out", default=None,
                    help="the run's folder (default: a new runs/<date>-<time>-<model>-<mask>, and runs/latest "
                         "points to it; with --resume: runs/latest)")
@@ -115,7 +151,8 @@ def build_parser() -> Parser:
                    help="continue from OUT/checkpoint.pt (which must exist). Refused if any of "
                         + ", ".join("--" + k.replace("_", "-") for k in FIXED_ON_RESUME)
                         + " or the data file's contents differ from the checkpoint's run; --lr and --epochs may "
-                          "change (reported on stderr); --out, --device, --stop-after, --quiet, --debug are free")
+                          "change (reported on stderr); --out, --device, --stop-after, --no-checkpoint, --quiet, "
+                          "--debug and the number of ranks are free")
     p.add_argument("--stop-after", type=non_negative_int, default=0,
                    help="stop after this many epochs of this invocation (tests)")
     p.add_argument("--metrics", default=None,
@@ -144,6 +181,14 @@ def parse(argv=None) -> argparse.Namespace:
         a.metric_names = parse_metrics(a.metrics, a.task)
     except ValueError as e:
         p.error(str(e))
+    for key, default in SYNTHETIC_DEFAULTS.items():
+        given = getattr(a, key, None)
+        if a.data != "synthetic" and given is not None:
+            p.error(f"--{key.replace('_', '-')}: expected --data synthetic, got --data {a.data}")
+        setattr(a, key, (default if given is None else given) if a.data == "synthetic" else None)
+    if a.model == "popularity" and a.shard_embeddings != "none":
+        p.error("--shard-embeddings: expected none for --model popularity (it has no item table), "
+                f"got {a.shard_embeddings}")
     return a
 
 
@@ -156,16 +201,10 @@ def resolve_device(a: argparse.Namespace, rank: int) -> torch.device:
         if not torch.cuda.is_available():
             raise ValueError(f"--device: expected cpu (CUDA is not available here), got '{a.device}'")
         if device.index is None:
-            device = torch.device(f"cuda:{rank % torch.cuda.device_count()}")
+            local = int(os.environ.get("LOCAL_RANK", rank))
+            device = torch.device(f"cuda:{local % torch.cuda.device_count()}")
+        torch.cuda.set_device(device)  # NCCL and DeviceMesh use the current device
     return device
-
-
-def _dist() -> tuple[int, int]:
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 RUNS = Path("runs")
@@ -250,6 +289,7 @@ class Splits:
     train_req: RankingRequests | None = None
     item_ids: list = field(default_factory=list)  # the data file's id of item i at [i - 1]
     user_ids: list = field(default_factory=list)  # the data file's id of the user of sequence s at [s]
+    weights: np.ndarray | None = None  # per unit, what its loss is a mean over: targets (retrieval), candidates
 
 
 @dataclass
@@ -262,15 +302,23 @@ class Progress:
 
 
 def prepare_data(a: argparse.Namespace) -> Splits:
-    data = load(a.data, columns=a.columns)
+    if a.data == "synthetic" and a.columns:
+        raise ValueError("--columns: expected a CSV or Parquet --data file, got --data synthetic")
+    if a.data == "synthetic" and a.task == "retrieval":
+        return synthetic_retrieval(a)
+    if a.data == "synthetic":
+        data = synthetic(a.synthetic_users, a.synthetic_items, a.synthetic_len)
+    else:
+        data = load(a.data, columns=a.columns)
     ids = file_ids(data, user_sequences(data))
     if a.task == "retrieval":
         seqs, valid, test = leave_one_out(data)
         if not seqs.items:
             raise ValueError(f"--data {a.data}: expected a user with 3 or more events (one to train on, one to "
                              f"validate, one to test), got none; most events of a user: {_most_events(data)}")
+        train_items = [x[:-2] for x in seqs.items]
         return Splits(data.num_items, len(data), list(range(len(seqs.items))), seqs, valid, test,
-                      train_items=[x[:-2] for x in seqs.items], **ids)
+                      train_items=train_items, **ids, weights=_targets(np.array([len(x) for x in train_items]), a))
     seqs = user_sequences(data)
     train_req = make_requests(seqs, "train", max_len=a.max_len, seed=a.seed)
     valid_req = make_requests(seqs, "valid", max_len=a.max_len, seed=a.seed + 1)
@@ -279,7 +327,23 @@ def prepare_data(a: argparse.Namespace) -> Splits:
         raise ValueError(f"--data {a.data}: ranking expected a user with {min_events()} or more events (and as many "
                          f"unseen items as negatives), got none; most events of a user: {_most_events(data)}")
     return Splits(data.num_items, len(data), list(range(len(train_req.cand_items))), seqs, valid_req, test_req,
-                  train_req=train_req, **ids)
+                  train_req=train_req, **ids, weights=np.array([len(c) for c in train_req.cand_items]))
+
+
+def _targets(train_lengths: np.ndarray, a: argparse.Namespace) -> np.ndarray:
+    """Next-item targets of each training sequence in a batch (``make_batch``: the last ``max_len`` inputs)."""
+    return np.minimum(np.maximum(train_lengths - 1, 0), a.max_len)
+
+
+def synthetic_retrieval(a: argparse.Namespace) -> Splits:
+    """Leave-one-out splits of ``--data synthetic`` whose users are generated when read (any number of users)."""
+    src = SyntheticSource(a.synthetic_users, a.synthetic_items, a.synthetic_len)
+    items, times = src.column(0), src.column(2)
+    seqs = UserSequences(items, src.column(1), times, src.num_items, np.arange(len(src)))
+    small = max(len(src), src.num_items) <= IDS_IN_CHECKPOINT
+    ids = {"item_ids": list(range(1, src.num_items + 1)), "user_ids": list(range(len(src)))} if small else {}
+    return Splits(src.num_items, src.num_events, list(range(len(src))), seqs, LazyItem(items, -2), LazyItem(items, -1),
+                  train_items=src.column(0, 0, -2), **ids, weights=_targets(src.lengths - 2, a))
 
 
 def file_ids(data, seqs: UserSequences) -> dict[str, list]:
@@ -293,36 +357,64 @@ def _most_events(data) -> int:
     return int(np.unique(data.user, return_counts=True)[1].max())
 
 
-def build_model(a: argparse.Namespace, num_items: int) -> torch.nn.Module:
+def build_model(a: argparse.Namespace, num_items: int, items: torch.nn.Module | None = None) -> torch.nn.Module:
+    """The model of ``a``; ``items`` is its item table module (default a new ``nn.Embedding``)."""
     if a.model == "hstu":
         return HSTURetrieval(num_items, dim=a.dim, layers=a.layers, heads=a.heads, max_len=a.max_len, mask=a.mask,
-                             sla_k1=a.sla_k1, sla_k2=a.sla_k2, dropout=a.dropout, rel_bias=not a.no_rel_bias)
+                             sla_k1=a.sla_k1, sla_k2=a.sla_k2, dropout=a.dropout, rel_bias=not a.no_rel_bias,
+                             items=items)
     if a.model == "sasrec":
         return SASRecRetrieval(num_items, dim=a.dim, layers=a.layers, heads=a.heads, max_len=a.max_len,
-                               dropout=a.dropout)
+                               dropout=a.dropout, items=items)
     return OneRankModel(num_items, dim=a.dim, layers=a.layers, heads=a.heads, max_len=a.max_len,
-                        task_tokens=not a.no_task_tokens, dropout=a.dropout)
+                        task_tokens=not a.no_task_tokens, dropout=a.dropout, items=items)
 
 
-def retrieval_metrics(model, seqs: UserSequences, inputs_end: int, targets: list[int], max_len: int, device,
-                      names: tuple[str, ...] = ("hr@10", "ndcg@10")) -> dict:
-    """The metrics ``names`` (``hr@K``, ``ndcg@K``, ``mrr``) by full-corpus ranking; inputs are each sequence
-    without its last ``inputs_end`` events."""
+def build_item_table(a: argparse.Namespace, num_items: int, world: int, device) -> distributed.ItemTable:
+    """The item table of ``--shard-embeddings`` after checking that its state fits every rank (one line naming
+    the sizes, before anything is allocated); its rows depend only on ``--seed``."""
+    rows = num_items + 1
+    free = distributed.free_bytes(device)
+    if world > 1:  # every rank decides on the smallest free memory, so all refuse or none
+        t = torch.tensor([free], dtype=torch.int64, device=device if device.type == "cuda" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        free = int(t)
+    where = f"{device}" if world == 1 else f"the emptiest of {world} ranks ({device.type})"
+    distributed.check_table_memory(rows, a.dim, a.shard_embeddings, world, free, where)
+    return distributed.item_table(rows, a.dim, seed=a.seed, sharding=a.shard_embeddings, world=world, device=device)
+
+
+def retrieval_metrics(model, seqs: UserSequences, inputs_end: int, targets, max_len: int, device,
+                      names: tuple[str, ...] = ("hr@10", "ndcg@10"), users=None) -> dict:
+    """The metrics ``names`` (``hr@K``, ``ndcg@K``, ``mrr``) by full-corpus ranking of ``users`` (default all);
+    inputs are each sequence without its last ``inputs_end`` events. A model whose item table is sharded ranks
+    on every rank (all must call this)."""
     if hasattr(model, "eval"):
         model.eval()
+    users = range(len(seqs.items)) if users is None else users
+    sharded = distributed.is_sharded(model)
     ranks = []
-    for s in range(0, len(seqs.items), 256):
-        items = [x[:len(x) - inputs_end] for x in seqs.items[s:s + 256]]
-        times = [x[:len(x) - inputs_end] for x in seqs.times[s:s + 256]]
-        scores = model.scores(make_batch(items, times, max_len, with_targets=False).to(device)).float().cpu()
-        ranks += [target_rank(scores[r], tgt, torch.from_numpy(hist))
-                  for r, (hist, tgt) in enumerate(zip(items, targets[s:s + 256]))]
+    for s in range(0, len(users), 256):
+        chunk = users[s:s + 256]
+        items = [x[:len(x) - inputs_end] for x in (seqs.items[u] for u in chunk)]
+        times = [x[:len(x) - inputs_end] for x in (seqs.times[u] for u in chunk)]
+        tgts = [int(targets[u]) for u in chunk]
+        batch = make_batch(items, times, max_len, with_targets=False).to(device)
+        if sharded:
+            ranks += distributed.sharded_ranks(model, batch, tgts, items)
+            continue
+        scores = model.scores(batch).float().cpu()
+        ranks += [target_rank(scores[r], tgt, torch.from_numpy(hist)) for r, (hist, tgt) in enumerate(zip(items, tgts))]
     return ranks_to_metrics(ranks, list(names))
 
 
-def ranking_metrics(model, req: RankingRequests, device, names: tuple[str, ...] = ("auc", "ndcg@10")) -> dict:
+def ranking_metrics(model, req: RankingRequests, device, names: tuple[str, ...] = ("auc", "ndcg@10"),
+                    requests=None) -> dict:
     """Per task: AUC over all candidates, GAUC (AUC per request, weighted by its candidates), NDCG@K within
-    each candidate list, as ``names`` asks."""
+    each candidate list, as ``names`` asks; over ``requests`` (indices, default all)."""
+    if requests is not None:
+        req = RankingRequests(*([col[i] for i in requests] for col in (req.hist_items, req.hist_times,
+                                                                       req.cand_items, req.labels)))
     model.eval()
     scores, labels = [], []
     with torch.no_grad():
@@ -345,12 +437,21 @@ def ranking_metrics(model, req: RankingRequests, device, names: tuple[str, ...] 
     return out
 
 
+def eval_sample(a: argparse.Namespace, n: int) -> list[int] | None:
+    """The users (ranking: requests) that ``--eval-users`` keeps, the same in every epoch; None for all."""
+    if not a.eval_users or a.eval_users >= n:
+        return None
+    return np.sort(np.random.default_rng(2**31 + 7).choice(n, size=a.eval_users, replace=False)).tolist()
+
+
 def evaluate(a: argparse.Namespace, model, d: Splits, split: str, device) -> dict:
     """Metrics on ``split`` ("valid" or "test")."""
     if a.task == "retrieval":
         inputs_end, targets = (2, d.valid) if split == "valid" else (1, d.test)
-        return retrieval_metrics(model, d.seqs, inputs_end, targets, a.max_len, device, a.metric_names)
-    return ranking_metrics(model, d.valid if split == "valid" else d.test, device, a.metric_names)
+        return retrieval_metrics(model, d.seqs, inputs_end, targets, a.max_len, device, a.metric_names,
+                                 eval_sample(a, len(d.seqs.items)))
+    req = d.valid if split == "valid" else d.test
+    return ranking_metrics(model, req, device, a.metric_names, eval_sample(a, len(req.cand_items)))
 
 
 def validation_score(a: argparse.Namespace, record: dict) -> float:
@@ -374,19 +475,25 @@ def run_config(a: argparse.Namespace, d: Splits) -> dict:
             "lr": a.lr, "epochs": a.epochs}
 
 
-def resume(a: argparse.Namespace, d: Splits, ckpt: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, device,
+def resume(a: argparse.Namespace, d: Splits, out: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, device,
            rank: int) -> Progress:
-    """Weights, optimizer and progress from ``ckpt``, after checking that this run is the checkpoint's run."""
+    """Weights, optimizer and progress from ``out/checkpoint.pt`` (and the sharded folder it names), after checking
+    that this run is the checkpoint's run. A sharded state is read into this run's sharding (any number of ranks)."""
+    ckpt = out / "checkpoint.pt"
     if not ckpt.is_file():
         raise FileNotFoundError(f"--resume: expected a checkpoint at {ckpt}, no such file (leave out --resume to "
                                 "start a new run)")
     state = checkpoint.load(ckpt, map_location=device)
     saved, now = state["config"], run_config(a, d)
-    changed = [f"--{k.replace('_', '-')} {saved[k]!r} in the checkpoint, {now[k]!r} now"
-               for k in (*FIXED_ON_RESUME, "data_rows", "num_items") if saved.get(k) != now[k]]
+    parser = build_parser()  # a setting added since the checkpoint was written had its default then
+    was = {k: saved.get(k, _default(parser, k)) for k in (*FIXED_ON_RESUME, "data_rows", "num_items")}
+    changed = [f"--{k.replace('_', '-')} {was[k]!r} in the checkpoint, {now[k]!r} now" for k in was if was[k] != now[k]]
     if changed:
         raise ValueError(f"--resume: expected the run of {ckpt}, got a different one: " + "; ".join(changed))
-    model.load_state_dict(state["model"]), opt.load_state_dict(state["opt"])
+    if "sharded" in state:
+        checkpoint.load_sharded(out / state["sharded"], model, opt)
+    else:
+        model.load_state_dict(state["model"]), opt.load_state_dict(state["opt"])
     notes = []
     if saved["lr"] != a.lr:
         for group in opt.param_groups:
@@ -401,34 +508,130 @@ def resume(a: argparse.Namespace, d: Splits, ckpt: Path, model: torch.nn.Module,
     return Progress(state["history"], state["epoch"], state["best"])
 
 
-def train_epoch(a: argparse.Namespace, epoch: int, d: Splits, model, ddp, opt, rank: int, world: int,
-                device) -> dict:
-    """One epoch over this rank's shard; the order and negatives come from a generator seeded by (seed, epoch)."""
-    torch.manual_seed(a.seed * 1000 + epoch)  # dropout stream of this epoch
+def _default(parser: Parser, key: str):
+    """What a run had for ``key`` before the setting existed: its default."""
+    return parser.get_default(key) if key in FIXED_ON_RESUME else None
+
+
+def save_checkpoint(a: argparse.Namespace, d: Splits, out: Path, model, opt, p: Progress, new_best: bool,
+                    rank: int) -> None:
+    """``out/checkpoint.pt`` after an epoch. With ``--shard-embeddings none`` it holds the weights, the optimizer
+    and the best epoch's weights (rank 0 writes it). Otherwise every rank writes its shards with
+    torch.distributed.checkpoint to ``out/sharded/epoch-N`` (and ``best-N`` at a new best), and ``checkpoint.pt``,
+    replaced last, names them; folders it no longer names are then deleted."""
+    meta = {"config": run_config(a, d), "history": p.history, "epoch": p.epoch}
+    if d.item_ids:
+        meta.update(item_ids=d.item_ids, user_ids=d.user_ids)
+    if a.shard_embeddings == "none":
+        if new_best:
+            p.best["model"] = copy.deepcopy(model.state_dict())
+        checkpoint.save({**meta, "model": model.state_dict(), "opt": opt.state_dict(), "best": p.best},
+                        out / "checkpoint.pt")
+        return
+    if new_best:
+        p.best["dir"] = f"sharded/best-{p.epoch:04d}"
+        checkpoint.save_sharded(out / p.best["dir"], model)
+    state = f"sharded/epoch-{p.epoch:04d}"
+    checkpoint.save_sharded(out / state, model, opt)
+    if rank == 0:
+        checkpoint.save({**meta, "sharded": state, "best": p.best}, out / "checkpoint.pt")
+        checkpoint.remove_unreferenced(out / "sharded", {Path(state).name, Path(p.best.get("dir", "")).name})
+    if dist.is_initialized():
+        dist.barrier()
+
+
+class Throughput:
+    """Input tokens and seconds of this invocation's training steps, all of them and those after the first
+    ``WARMUP_STEPS`` (allocation, kernel compilation); a step is timed from its batch's assembly to its loss
+    on the host (``loss.item()`` waits for the device)."""
+
+    def __init__(self):
+        self.steps, self.tokens, self.seconds = 0, 0, 0.0
+        self.steady_tokens, self.steady_seconds = 0, 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.steps += 1
+        self.tokens, self.seconds = self.tokens + tokens, self.seconds + seconds
+        if self.steps > WARMUP_STEPS:
+            self.steady_tokens, self.steady_seconds = self.steady_tokens + tokens, self.steady_seconds + seconds
+
+    def report(self, world: int, device: torch.device) -> dict:
+        """Totals over the ranks (collective): tokens/s of all ranks together (their tokens over the slowest
+        rank's seconds), per rank, and each rank's own; on CUDA each rank's peak allocated memory."""
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+        mine = [self.tokens, self.seconds, self.steady_tokens, self.steady_seconds, peak]
+        every = [mine] * world
+        if world > 1:
+            every = [None] * world
+            dist.all_gather_object(every, mine)
+
+        def rates(tokens, seconds) -> dict:
+            total, slowest = sum(tokens), max(seconds)
+            rate = total / slowest if slowest > 0 else 0.0
+            return {"tokens": total, "seconds": slowest, "tokens_per_s": rate, "tokens_per_s_per_rank": rate / world,
+                    "each_rank": [t / s if s > 0 else 0.0 for t, s in zip(tokens, seconds)]}
+
+        out = {"ranks": world, "steps": self.steps, **rates([e[0] for e in every], [e[1] for e in every])}
+        if device.type == "cuda":
+            out["peak_memory_gb"] = [e[4] / 1e9 for e in every]
+        if self.steps > WARMUP_STEPS:
+            out["after_warmup"] = {"steps": self.steps - WARMUP_STEPS,
+                                   **rates([e[2] for e in every], [e[3] for e in every])}
+        return out
+
+
+def epoch_batches(a: argparse.Namespace, epoch: int, d: Splits) -> tuple[torch.Generator, list[list[int]]]:
+    """The epoch's steps, ``--batch-size`` units each in an order drawn by a generator seeded by (seed, epoch);
+    the generator then draws the negatives."""
     gen = torch.Generator().manual_seed(a.seed * 1000 + epoch)
     order = torch.randperm(len(d.units), generator=gen).tolist()
-    per_rank = len(order) // world
-    mine = order[rank * per_rank:(rank + 1) * per_rank]
-    batches = [mine[i:i + a.batch_size] for i in range(0, len(mine), a.batch_size)]
+    batches = [order[i:i + a.batch_size] for i in range(0, len(order), a.batch_size)]
+    return gen, batches[:a.steps_per_epoch] if a.steps_per_epoch else batches
+
+
+def train_epoch(a: argparse.Namespace, epoch: int, d: Splits, model, ddp, opt, rank: int, world: int,
+                device, speed: Throughput) -> dict:
+    """One epoch. Rank r trains on every world-th unit of each step, its mean loss weighted by its share of the
+    step's targets (ranking: candidates) times the number of ranks, so DDP's mean gradient is the gradient of the
+    whole step's mean loss: a retrieval run without dropout trains the same parameters on any number of ranks,
+    up to float rounding. A rank left without a unit (a short last step) runs one with weight 0, as its
+    collectives need it. The recorded loss is the mean over steps of the whole step's mean loss."""
+    torch.manual_seed(a.seed * 1000 + epoch)  # dropout stream of this epoch
+    gen, batches = epoch_batches(a, epoch, d)
+    sharded = distributed.is_sharded(model)
     model.train()
     t0, tokens, losses = time.perf_counter(), 0, []
     bar = tqdm(batches, desc=f"epoch {epoch + 1}/{a.epochs}", disable=a.quiet or rank != 0, dynamic_ncols=True)
-    for idx in bar:
+    for step in bar:
+        start = time.perf_counter()
+        idx = step[rank::world]
+        share = float(d.weights[idx].sum()) / max(float(d.weights[step].sum()), 1.0) if idx else 0.0
+        idx = idx or step[:1]
         if a.task == "retrieval":
             batch = make_batch([d.train_items[i] for i in idx], [d.seqs.times[i][:-2] for i in idx], a.max_len)
             batch = batch.to(device)
             loss = ddp(batch, a.negatives, gen)  # forward is the sampled-softmax loss
-            tokens += batch.items.numel()
+            step_tokens = batch.items.numel()
         else:
             b = collate(d.train_req, idx).to(device)
             loss = onerank_loss(ddp(*b.inputs()), b.labels, b.cand_offsets)
-            tokens += b.hist_items.numel() + b.cand_items.numel() * model.group_size
+            step_tokens = b.hist_items.numel() + b.cand_items.numel() * model.group_size
         opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        (loss * (share * world) if world > 1 else loss).backward()
+        if sharded:
+            distributed.clip_grad_norm_(model.parameters(), 1.0, group=model.encoder.items.group)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        losses.append(loss.item())
+        losses.append(loss.item() * share if world > 1 else loss.item())
+        step_tokens = step_tokens if share > 0 or world == 1 else 0
+        tokens += step_tokens
+        speed.add(step_tokens, time.perf_counter() - start)
         bar.set_postfix(loss=f"{np.mean(losses[-20:]):.4f}", tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
+    if world > 1:  # each rank holds its share of every step's loss
+        summed = torch.tensor(losses, dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
+        dist.all_reduce(summed)
+        losses = summed.tolist()
     return {"epoch": epoch + 1, "loss": float(np.mean(losses)), "seconds": time.perf_counter() - t0}
 
 
@@ -490,10 +693,24 @@ def write(result: dict, history: list[dict], out: Path, rank: int, a: argparse.N
             plot(history, out / "metrics.png", plot_title(a), result.get("best_epoch"))
         if not a.quiet:
             print(json.dumps({"test": result.get("test")}))
+            if "throughput" in result:
+                print(f"flexhstu train: {throughput_line(result['throughput'])}")
             written = ", ".join(f.name for f in sorted(out.iterdir()) if f.is_file() and not f.name.startswith("."))
             best = f"; best epoch {result['best_epoch']} of {len(history)}" if "best_epoch" in result else ""
             print(f"flexhstu train: wrote {out}/ ({written}){best}")
     return result
+
+
+def throughput_line(t: dict) -> str:
+    """The tokens/s report of ``Throughput.report`` in one line."""
+    ranks = f"{t['ranks']} rank{'s' * (t['ranks'] > 1)}"
+    line = (f"{t['tokens_per_s']:,.0f} tokens/s on {ranks} ({t['tokens_per_s_per_rank']:,.0f} per rank) over "
+            f"{t['steps']} steps")
+    if "after_warmup" in t:
+        w = t["after_warmup"]
+        line += (f"; after the first {WARMUP_STEPS} steps {w['tokens_per_s']:,.0f} tokens/s "
+                 f"({w['tokens_per_s_per_rank']:,.0f} per rank)")
+    return line
 
 
 def main(argv=None) -> dict:
@@ -502,7 +719,7 @@ def main(argv=None) -> dict:
 
 
 def train(a: argparse.Namespace) -> dict:
-    rank, world = _dist()
+    rank, world, created = distributed.setup()
     with user_input():
         device = resolve_device(a, rank)
     with user_input("--out"):
@@ -514,42 +731,80 @@ def train(a: argparse.Namespace) -> dict:
     if a.model == "popularity":
         return write(result | run_popularity(a, d), [], out, rank, a)
 
-    model = build_model(a, d.num_items).to(device)
-    ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01)
-    ckpt = out / "checkpoint.pt"
+    with user_input():
+        table = build_item_table(a, d.num_items, world, device)
+    model = build_model(a, d.num_items, items=table).to(device)
+    collective = table.sharded  # every rank reads a sharded table: all evaluate and save, rank 0 writes
+    ddp = model
+    if world > 1:
+        if collective:  # the table's gradient reaches its owner through the lookup, not through DDP
+            DDP._set_params_and_buffers_to_ignore_for_model(model, ["encoder.items.weight"])
+        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    opt = torch.optim.AdamW(param_groups(a, model), lr=a.lr, weight_decay=0.01)
     p = Progress()
     if a.resume:
         with user_input():
-            p = resume(a, d, ckpt, model, opt, device, rank)
+            p = resume(a, d, out, model, opt, device, rank)
+    speed = Throughput()
     last = min(a.epochs, p.epoch + a.stop_after) if a.stop_after else a.epochs
     for epoch in range(p.epoch, last):
-        record = train_epoch(a, epoch, d, model, ddp, opt, rank, world, device)
-        if rank == 0:
+        record = train_epoch(a, epoch, d, model, ddp, opt, rank, world, device, speed)
+        if rank == 0 or collective:
             record.update({f"valid {k}": v for k, v in evaluate(a, model, d, "valid", device).items()})
             p.history.append(record)
             p.epoch = epoch + 1
             score = validation_score(a, record)
-            if score > p.best["score"]:
-                p.best = {"score": score, "epoch": epoch + 1, "model": copy.deepcopy(model.state_dict())}
-            checkpoint.save({"config": run_config(a, d), "model": model.state_dict(), "opt": opt.state_dict(),
-                             "history": p.history, "epoch": p.epoch, "best": p.best, "item_ids": d.item_ids,
-                             "user_ids": d.user_ids}, ckpt)
-            if not a.quiet:
+            new_best = score > p.best["score"]
+            if new_best:
+                p.best = {"score": score, "epoch": epoch + 1, "model": None}
+            if not a.no_checkpoint:
+                save_checkpoint(a, d, out, model, opt, p, new_best, rank)
+            if rank == 0 and not a.quiet:
                 print(json.dumps(record))
         if world > 1:
             dist.barrier()
-    if rank == 0 and len(p.history) >= a.epochs:
-        if p.best["model"] is not None:
-            model.load_state_dict(p.best["model"])
-            result["best_epoch"] = p.best["epoch"]
+    if speed.steps or world > 1:
+        result["throughput"] = speed.report(world, device)
+    if (rank == 0 or collective) and len(p.history) >= a.epochs:
+        result["test_epoch"] = len(p.history)
+        if p.best["epoch"] and not a.no_checkpoint:
+            if p.best.get("dir"):
+                with user_input():
+                    checkpoint.load_sharded(out / p.best["dir"], model)
+            elif p.best["model"] is not None:
+                model.load_state_dict(p.best["model"])
+            result["best_epoch"] = result["test_epoch"] = p.best["epoch"]
         result["test"] = evaluate(a, model, d, "test", device)
     if world > 1:
-        checksum = float(sum(t.detach().double().sum() for t in model.parameters()))
-        (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "checksum": checksum}))
+        (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "checksum": checksum(model)}))
         dist.barrier()
+    if created:
         dist.destroy_process_group()
     return write(result, p.history, out, rank, a)
+
+
+def param_groups(a: argparse.Namespace, model: torch.nn.Module):
+    """AdamW's parameters: one group (``--shard-embeddings none``, as always), else the dense parameters and the
+    item table apart (on every number of ranks, so a sharded checkpoint resumes anywhere): a sharded table is a
+    DTensor, which torch's multi-tensor kernels do not mix with plain tensors, and its group takes the fused
+    kernel, which updates in place where the multi-tensor one would allocate a table-sized temporary."""
+    if a.shard_embeddings == "none":
+        return model.parameters()
+    dense = [q for n, q in model.named_parameters() if n != "encoder.items.weight"]
+    return [{"params": dense}, {"params": [model.encoder.items.weight], "fused": True}]
+
+
+def checksum(model: torch.nn.Module) -> float:
+    """The sum of every parameter (a sharded one summed over the ranks): equal on every rank of a healthy run."""
+    total = 0.0
+    for q in model.parameters():
+        if hasattr(q, "to_local") and any(pl.is_shard() for pl in q.placements):
+            part = q.to_local().detach().sum(dtype=torch.float64).reshape(1)
+            dist.all_reduce(part, group=q.device_mesh.get_group())
+            total += float(part)
+        else:
+            total += float((q.to_local() if hasattr(q, "to_local") else q).detach().sum(dtype=torch.float64))
+    return total
 
 
 def cli(argv=None) -> int:

@@ -182,7 +182,8 @@ def build_parser() -> Parser:
     show.add_argument("--debug", action="store_true", help="show the traceback of an input error")
     show.set_defaults(fn=cmd_show_mask, parser=show)
 
-    bench = sub.add_parser("bench", help="time hstu_mha against SDPA on a GPU (see flexhstu bench --help)",
+    bench = sub.add_parser("bench", help="time hstu_mha against SDPA on a GPU (see flexhstu bench --help); "
+                           "--serving: cached scoring against full recompute (flexhstu bench --serving --help)",
                            add_help=False)
     bench.set_defaults(fn=lambda a: _bench_main(a.rest))
 
@@ -222,6 +223,10 @@ def _recommend_main(rest: list[str]) -> int:
 
 
 def _bench_main(rest: list[str]) -> int:
+    if "--serving" in rest:  # the serving benchmark parses its own options (flexhstu bench --serving --help)
+        from .. import bench_serving
+
+        return bench_serving.main([x for x in rest if x != "--serving"])
     from .. import bench
 
     return bench.main(rest)

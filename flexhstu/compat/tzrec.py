@@ -1,4 +1,4 @@
-"""TorchEasyRec's ``hstu_mha`` and ``build_sla_func_tensor`` (``tzrec.ops.hstu_attention``,
+"""TorchEasyRec's ``hstu_mha``, ``delta_hstu_mha`` and ``build_sla_func_tensor`` (``tzrec.ops.hstu_attention``,
 ``tzrec.ops.hstu_attention_utils``), on flexhstu.
 
 Same positional order, keywords and defaults as the peer. Where tzrec is more lenient than
@@ -13,7 +13,12 @@ Same positional order, keywords and defaults as the peer. Where tzrec is more le
 
 ``sort_by_length`` and ``enable_tma`` are performance hints of tzrec's Triton kernels: accepted, no
 effect. Unlike tzrec, ``attn_func`` runs on every backend (tzrec's Triton path refuses it) and its width
-is any odd NFUNC, not only 3. ``delta_hstu_mha`` (serving) is not offered here yet.
+is any odd NFUNC, not only 3.
+
+``delta_hstu_mha`` (serving: the last ``delta_q.shape[0] // B`` rows of every sequence as queries, against the
+whole sequences' keys and values) runs ``flexhstu.delta_hstu_mha`` with tzrec's convention and leniencies:
+``num_targets`` is clamped as above, ``scaling_seqlen=-1`` means ``max_seq_len``, and ``Kernel.CUTLASS``
+runs Triton, as tzrec's own ``delta_hstu_mha`` does (there is no CUTLASS delta kernel).
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ import torch
 
 from .. import masks
 from ..jagged import lengths_of
+from ..ops import Kernel as _Kernel
 from ..ops import hstu_mha as _hstu_mha
+from ..ops.delta import delta_hstu_mha as _delta_hstu_mha
 from ._kernels import to_kernel
 
 
@@ -80,6 +87,38 @@ def hstu_mha(
         max_seq_len, alpha, q, k, v, seq_offsets, causal, dropout_pr, training,
         _clamped_targets(num_targets, seq_offsets), max_attn_len, contextual_seq_len, min_full_attn_seq_len,
         scaling_seqlen=scaling_seqlen, kernel=kernel,
+    )
+
+
+def delta_hstu_mha(
+    max_seq_len: int,
+    alpha: float,
+    delta_q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_offsets: torch.Tensor,
+    num_targets: torch.Tensor | None = None,
+    max_attn_len: int = 0,
+    contextual_seq_len: int = 0,
+    kernel: Enum | str = Kernel.PYTORCH,
+    enable_tma: bool = False,
+    scaling_seqlen: int = -1,
+) -> torch.Tensor:
+    """tzrec's cached attention: ``delta_q (B * d, H, Dqk)`` are the last ``d = delta_q.shape[0] // B`` rows of
+    every sequence of ``k (total, H, Dqk)``, ``v (total, H, Dv)`` (jagged by ``seq_offsets (B + 1,)``) ->
+    ``(B * d, H, Dv)``.
+
+    Every output row equals the same row of ``hstu_mha`` on the whole sequences (the causal fixed rule with
+    ``num_targets``, ``max_attn_len``, ``contextual_seq_len``; output scaled by ``1 / scaling_seqlen``,
+    ``max_seq_len`` when ``scaling_seqlen <= 0``). Forward only.
+    """
+    del enable_tma  # a hint for tzrec's Triton kernel; flexhstu's needs none
+    kernel = to_kernel(kernel)
+    if kernel == _Kernel.CUTLASS:  # as tzrec's delta_hstu_mha: no CUTLASS delta kernel, Triton runs it
+        kernel = _Kernel.TRITON
+    return _delta_hstu_mha(
+        max_seq_len, alpha, delta_q, k, v, seq_offsets, _clamped_targets(num_targets, seq_offsets), max_attn_len,
+        contextual_seq_len, kernel=kernel, scaling_seqlen=scaling_seqlen,
     )
 
 

@@ -257,20 +257,12 @@ def load(data: str, cache_dir: str | os.PathLike | None = None, columns: dict[st
 
 
 def synthetic(num_users: int = 300, num_items: int = 200, length: int = 40, seed: int = 0) -> Interactions:
-    """Users walk a hidden item cycle: the next item is usually ``item + 1`` (planted structure);
-    ratings are high on the cycle and low off it."""
-    rng = np.random.default_rng(seed)
-    users, items, ratings, times = [], [], [], []
-    for u in range(num_users):
-        cur = int(rng.integers(num_items))
-        t = int(rng.integers(1_000_000))
-        for _ in range(int(rng.integers(length // 2, length + 1))):
-            on_cycle = rng.random() < 0.85
-            cur = (cur + 1) % num_items if on_cycle else int(rng.integers(num_items))
-            t += int(rng.integers(60, 86_400))
-            users.append(u)
-            items.append(cur + 1)
-            ratings.append(5.0 if on_cycle else float(rng.integers(1, 4)))
-            times.append(t)
-    return Interactions(np.array(users), np.array(items), np.array(ratings), np.array(times), num_items, "synthetic",
-                        np.arange(1, num_items + 1))
+    """The events of ``SyntheticSource(num_users, num_items, length, seed)`` in memory: users walk a hidden item
+    cycle (the next item is usually ``item + 1``); ratings are high on the cycle and low off it."""
+    from .synthetic_source import SyntheticSource
+
+    source = SyntheticSource(num_users, num_items, length, seed)
+    users = [source.user(u) for u in range(num_users)]
+    cat = lambda k: np.concatenate([x[k] for x in users])
+    return Interactions(np.repeat(np.arange(num_users), source.lengths), cat(0), cat(1), cat(2), num_items,
+                        "synthetic", np.arange(1, num_items + 1))

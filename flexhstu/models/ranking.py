@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from .. import masks, serving
-from ..nn import InputEncoder, OneRankHead, OneRankTokenizer, STUStack
+from ..nn import OneRankHead, OneRankTokenizer, STUStack
 from ..ops import Kernel
 from ..serving import HistoryCache, JaggedHistory
-from .retrieval import stu_config
+from .retrieval import item_encoder, stu_config
 
 TASKS = ("watched", "rated>=4", "rated5")
 
@@ -114,10 +114,11 @@ def collate(req: RankingRequests, idx: list[int]) -> RankingBatch:
 
 class OneRankModel(nn.Module):
     def __init__(self, num_items: int, dim: int = 64, layers: int = 2, heads: int = 2, max_len: int = 200,
-                 task_tokens: bool = True, dropout: float = 0.2, kernel: Kernel = Kernel.AUTO):
+                 task_tokens: bool = True, dropout: float = 0.2, kernel: Kernel = Kernel.AUTO,
+                 items: nn.Module | None = None):
         super().__init__()
         k = len(TASKS)
-        self.encoder = InputEncoder(num_items, dim, max_len)
+        self.encoder = item_encoder(num_items, dim, max_len, items)
         self.tokenizer = OneRankTokenizer(k if task_tokens else 0, dim)
         self.stack = STUStack(stu_config(dim, heads, dropout, kernel), layers)
         self.head = OneRankHead(k, dim)

@@ -18,6 +18,16 @@ from ..ops import Kernel
 from ..serving import HistoryCache
 
 
+def item_encoder(num_items: int, dim: int, max_len: int, items: nn.Module | None = None) -> InputEncoder:
+    """The input encoder; ``items`` replaces its item table (``num_items + 1`` rows, e.g. a table sharded across
+    ranks, ``flexhstu.distributed.ItemTable``) without allocating the default one."""
+    if items is None:
+        return InputEncoder(num_items, dim, max_len)
+    encoder = InputEncoder(0, dim, max_len)
+    encoder.items = items
+    return encoder
+
+
 def check_heads(dim: int, heads: int) -> None:
     """Heads split the model width evenly; a remainder would silently make the attention narrower than ``dim``."""
     if heads < 1 or dim % heads:
@@ -79,14 +89,18 @@ class _Retrieval(nn.Module):
         return F.normalize(self.encoder.items.weight, dim=-1)
 
     def forward(self, batch: SeqBatch, num_negatives: int, generator: torch.Generator) -> torch.Tensor:
-        """Sampled softmax over the target and ``num_negatives`` uniform negatives shared by the batch."""
+        """Sampled softmax over the target and ``num_negatives`` uniform negatives shared by the batch.
+
+        Only the rows of the targets and the negatives are read (one lookup through the item table module), so a
+        table sharded across ranks is never gathered whole."""
         h = F.normalize(self.states(batch), dim=-1)
         keep = batch.targets > 0
         h, tgt = h[keep], batch.targets[keep]
-        table = self.item_table()
-        neg = torch.randint(1, table.shape[0], (num_negatives,), generator=generator).to(h.device)
-        pos_logit = (h * table[tgt]).sum(-1, keepdim=True)
-        neg_logit = h @ table[neg].T
+        num_rows = self.encoder.items.weight.shape[0]
+        neg = torch.randint(1, num_rows, (num_negatives,), generator=generator).to(h.device)
+        rows = F.normalize(self.encoder.items(torch.cat([tgt, neg])), dim=-1)
+        pos_logit = (h * rows[:len(tgt)]).sum(-1, keepdim=True)
+        neg_logit = h @ rows[len(tgt):].T
         neg_logit = neg_logit.masked_fill(neg[None, :] == tgt[:, None], float("-inf"))  # accidental hits
         logits = torch.cat([pos_logit, neg_logit], dim=1) / self.temperature
         return F.cross_entropy(logits, torch.zeros(len(tgt), dtype=torch.long, device=h.device))
@@ -100,14 +114,15 @@ class _Retrieval(nn.Module):
 
 
 class HSTURetrieval(_Retrieval):
-    """``rel_bias``: each layer adds the published relative attention bias (positions up to ``max_len``)."""
+    """``rel_bias``: each layer adds the published relative attention bias (positions up to ``max_len``).
+    ``items``: the item table module (default a new ``nn.Embedding``), see ``item_encoder``."""
 
     def __init__(self, num_items: int, dim: int = 64, layers: int = 2, heads: int = 2, max_len: int = 200,
                  mask: str = "causal", sla_k1: int = 32, sla_k2: int = 4, dropout: float = 0.2,
-                 kernel: Kernel = Kernel.AUTO, rel_bias: bool = True):
+                 kernel: Kernel = Kernel.AUTO, rel_bias: bool = True, items: nn.Module | None = None):
         if mask not in ("causal", "sla"):
             raise bad_value("mask", "'causal' or 'sla'", repr(mask))
-        super().__init__(InputEncoder(num_items, dim, max_len))
+        super().__init__(item_encoder(num_items, dim, max_len, items))
         cfg = replace(stu_config(dim, heads, dropout, kernel), rel_bias=rel_bias, rel_bias_max_len=max_len)
         self.stack = STUStack(cfg, layers)
         self.mask, self.sla_k1, self.sla_k2 = mask, sla_k1, sla_k2
@@ -118,6 +133,7 @@ class HSTURetrieval(_Retrieval):
         kw = {}
         if self.mask == "sla":
             kw["attn_func"] = masks.sla(batch.offsets, self.sla_k1, self.sla_k2, total=x.shape[0])
+            kw["sparse"] = 4 * (self.sla_k1 + self.sla_k2) <= batch.max_len  # few key blocks per query block
         return self.stack(x, batch.offsets, batch.max_len, batch.times, **kw)
 
     def _history_mask(self, offsets: torch.Tensor, total: int) -> dict:
@@ -155,9 +171,9 @@ class SASRecRetrieval(_Retrieval):
     """Softmax self-attention (pre-norm transformer, causal) with the same embeddings and size."""
 
     def __init__(self, num_items: int, dim: int = 64, layers: int = 2, heads: int = 2, max_len: int = 200,
-                 dropout: float = 0.2):
+                 dropout: float = 0.2, items: nn.Module | None = None):
         check_heads(dim, heads)
-        super().__init__(InputEncoder(num_items, dim, max_len))
+        super().__init__(item_encoder(num_items, dim, max_len, items))
         layer = nn.TransformerEncoderLayer(dim, heads, 2 * dim, dropout, batch_first=True, norm_first=True)
         self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(dim)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._errors import bad_type, bad_value
-from ..ops import Kernel, hstu_mha
+from ..ops import AttnPlan, Kernel, build_plan, hstu_mha
 from .bias import RelativeTimePositionBias
 from .stu_lean import EAGER, GatedOutput, NormLinear, compiled_bodies, dropout_keep, gate
 
@@ -104,6 +104,9 @@ class STULayer(nn.Module):
             mask_kwargs = {**mask_kwargs, "rel_bias": self.rel_bias(timestamps)}
         compiles = self.compiles(x)
         if compiles and not self.cfg.recompute:
+            # The whole body is traced: the custom op builds its own plan in the graph (a plan object as a
+            # graph input would be guarded on, and every batch brings a new one).
+            mask_kwargs = {k: val for k, val in mask_kwargs.items() if k != "attn_plan"}
             return _compiled_body(self.cfg.compile_backend)(self, x, seq_offsets, max_seq_len, mask_kwargs)
         bodies = compiled_bodies(self.cfg.compile_backend) if compiles else EAGER
         return self.body(x, seq_offsets, max_seq_len, mask_kwargs, bodies)
@@ -143,9 +146,12 @@ def _compiled_body(backend: str):
 
 
 class STUStack(nn.Module):
-    """``num_layers`` STU layers run on one mask built once per batch, then a final layer norm.
+    """``num_layers`` STU layers run on one mask and one block plan, both made once per batch, then a final
+    layer norm.
 
     ``timestamps (total,)`` reach every layer; those with ``cfg.rel_bias`` need them, the others ignore them.
+    ``attn_plan``: the batch's ``flexhstu.build_plan`` for this mask, or None to build it here (``sparse``
+    passed on: True for windows and SLA-like funcs); every layer's attention, forward and backward, uses it.
     """
 
     def __init__(self, cfg: STULayerConfig, num_layers: int):
@@ -154,7 +160,11 @@ class STUStack(nn.Module):
         self.norm = nn.LayerNorm(cfg.embedding_dim)
 
     def forward(self, x: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int,
-                timestamps: torch.Tensor | None = None, **mask_kwargs) -> torch.Tensor:
+                timestamps: torch.Tensor | None = None, *, attn_plan: AttnPlan | None = None,
+                sparse: bool | None = None, **mask_kwargs) -> torch.Tensor:
+        if attn_plan is None:
+            attn_plan = build_plan(seq_offsets, total=x.shape[0], max_seq_len=max_seq_len, sparse=sparse,
+                                   **mask_kwargs)
         for layer in self.layers:
-            x = layer(x, seq_offsets, max_seq_len, timestamps, **mask_kwargs)
+            x = layer(x, seq_offsets, max_seq_len, timestamps, attn_plan=attn_plan, **mask_kwargs)
         return self.norm(x)

@@ -31,6 +31,7 @@ from .bias import RelativeBias, check_rab, check_relative_bias
 from .capability import triton_unsupported_reason
 from .cutlass import unavailable_reason
 from .kernel import Kernel
+from .plan import AttnPlan
 from .pytorch import pytorch_hstu_mha
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -50,6 +51,7 @@ class _Call(NamedTuple):
     max_seq_len: int
     dropout_pr: float  # the rate applied: 0.0 outside training
     bias: RelativeBias | torch.Tensor | None  # added to alpha * Q K^T: the tables, a dense rab, or none
+    plan: AttnPlan | None  # checked against the call; the Triton kernels use it, the reference needs none
 
 
 def hstu_mha(
@@ -71,6 +73,7 @@ def hstu_mha(
     attn_scale: torch.Tensor | None = None,
     rel_bias: RelativeBias | None = None,
     rab: torch.Tensor | None = None,
+    attn_plan: AttnPlan | None = None,
     kernel: Kernel = Kernel.AUTO,
 ) -> torch.Tensor:
     """HSTU attention over a jagged batch: ``O = (silu(alpha Q K^T [+ bias]) * M) V / scaling_seqlen``.
@@ -103,13 +106,17 @@ def hstu_mha(
     - ``rab``: a dense bias instead, floating ``(B, N, N)`` or ``(B, 1 or H, N, N)`` with
       ``N = max_seq_len``; entry ``[b, (h,) i, j]`` is added to the score of local query ``i``, key ``j``.
       Give at most one of ``rel_bias`` and ``rab``; gradients reach the tables or ``rab``.
+    - ``attn_plan``: the block plan of this batch and mask (``flexhstu.build_plan``), built once and
+      reused by every layer's call, forward and backward; None builds one per call. It is checked
+      against the call on every backend (host metadata, no sync): a plan of other offsets, rows or mask
+      raises. The Triton kernels use it (and its ``sparse`` choice of tiles); the reference needs none.
     - ``kernel``: ``Kernel.AUTO`` runs Triton on CUDA tensors it supports and the
       PyTorch reference otherwise; an explicit backend that cannot run the call raises.
     """
     rule = FixedRule(causal, num_targets, max_attn_len, contextual_seq_len, min_full_attn_seq_len)
     call = _checked_call(
         max_seq_len, alpha, q, k, v, seq_offsets, rule, attn_func, dropout_pr, training, scaling_seqlen, attn_scale,
-        rel_bias, rab,
+        rel_bias, rab, attn_plan,
     )
     backend = _choose_backend(kernel, call)
     return _BACKENDS[backend](call)
@@ -117,7 +124,7 @@ def hstu_mha(
 
 def _checked_call(
     max_seq_len, alpha, q, k, v, seq_offsets, rule, attn_func, dropout_pr, training, scaling_seqlen, attn_scale,
-    rel_bias, rab,
+    rel_bias, rab, attn_plan,
 ) -> _Call:
     _check_qkv(q, k, v)
     check_offsets_meta(seq_offsets)
@@ -142,7 +149,11 @@ def _checked_call(
     rate = _probability(dropout_pr) if training else 0.0
     mask = attn_func if attn_func is not None else rule
     bias = _checked_bias(rel_bias, rab, q, seq_offsets.numel() - 1, max_seq_len)
-    return _Call(q, k, v, seq_offsets, mask, alpha, scaling, attn_scale, max_seq_len, rate, bias)
+    if attn_plan is not None:
+        if not isinstance(attn_plan, AttnPlan):
+            raise bad_type("attn_plan", "None or an AttnPlan from flexhstu.build_plan", type(attn_plan).__name__)
+        attn_plan.check(seq_offsets, total, mask)
+    return _Call(q, k, v, seq_offsets, mask, alpha, scaling, attn_scale, max_seq_len, rate, bias, attn_plan)
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_name: str = "q") -> None:
@@ -284,7 +295,9 @@ def _run_pytorch(c: _Call) -> torch.Tensor:
 def _run_triton(c: _Call) -> torch.Tensor:
     from .triton import triton_hstu_mha
 
-    common = dict(alpha=c.alpha, out_scale=1.0 / c.scaling, max_seq_len=c.max_seq_len, rel_bias=c.bias)
+    common = dict(
+        alpha=c.alpha, out_scale=1.0 / c.scaling, max_seq_len=c.max_seq_len, rel_bias=c.bias, plan=c.plan
+    )
     if c.attn_scale is not None:  # one float32 factor per row, as the kernels read it
         rows = c.attn_scale.to(torch.float32).expand(c.q.shape[0]).contiguous()
         common.update(out_scale=1.0, attn_scale=rows)
@@ -292,6 +305,8 @@ def _run_triton(c: _Call) -> torch.Tensor:
         return triton_hstu_mha(c.q, c.k, c.v, c.seq_offsets, func=c.mask, **common)
     rule = c.mask
     if not rule.causal:  # plain by the capability check: every row sees its whole sequence
+        if c.plan is not None:  # the plan holds its own all-visible func: the call must name that one
+            return triton_hstu_mha(c.q, c.k, c.v, c.seq_offsets, func=c.plan.func, **common)
         _, _, length = row_coords(c.seq_offsets, c.q.shape[0])
         return triton_hstu_mha(c.q, c.k, c.v, c.seq_offsets, func=length.to(torch.int32)[None, None], **common)
     plain = rule.num_targets is None and rule.max_attn_len == 0 and rule.contextual_seq_len == 0

@@ -1,12 +1,15 @@
 """Block plans built once per batch and shared by every attention call on it (docs/design.md, section 8).
 
-    plan = build_plan(seq_offsets, total=total, max_seq_len=n, attn_func=func)
+    plan = flexhstu.build_plan(seq_offsets, total=total, max_seq_len=n, attn_func=func, sparse=True)
     for layer in layers:                  # forward and backward of every layer reuse the plan
-        out = triton_hstu_mha(q, k, v, seq_offsets, func=func, ..., plan=plan)
+        x = layer(x, ..., attn_func=func, attn_plan=plan)   # -> hstu_mha(..., attn_func=func, attn_plan=plan)
 
-A plan depends on the offsets and the mask, never on q, k, v: it holds the block tables and, per
-dK/dV tile (which follows the head dims), the key-major plan, built on first use on the GPU with no
-host-device sync, so building and using it can be captured in a CUDA graph.
+A plan depends on the offsets and the mask, never on q, k, v. It records the mask it was built for, so a
+call with another mask or other offsets is refused (host metadata only: no device read). For the Triton
+kernels it holds the block tables and, per dK/dV tile (which follows the head dims), the key-major plan,
+built on first use on the GPU with no host-device sync, so building and using it can be captured in a
+CUDA graph. The PyTorch reference needs no plan and ignores it after the check; building one never
+imports Triton, so a model builds its plan the same way on any device.
 """
 
 from __future__ import annotations
@@ -14,10 +17,9 @@ from __future__ import annotations
 import torch
 
 from .._errors import as_int, bad_type, bad_value
-from ..jagged import can_read_values, row_coords
-from ..masks.format import check_func_meta, check_offsets_meta, validate
-from .triton.block_plan import BlockPlan, Visibility
-from .triton.op import visibility
+from ..jagged import can_read_values, check_offsets_meta, row_coords
+from ..masks.format import check_func_meta, validate
+from ..masks.rules import FixedRule
 
 
 def _same_tensor(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
@@ -28,64 +30,113 @@ def _same_tensor(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
             and a.device == b.device and a.dtype == b.dtype)
 
 
-def _describe(vis: Visibility) -> str:
-    kind = {0: "func", 1: "causal", 2: "fixed rule"}[vis.mode]
-    if vis.mode == 0:
-        kind += f" of shape {tuple(vis.func.shape)} at {vis.func.data_ptr():#x}"
-    if vis.mode == 2:
-        nt = "none" if vis.num_targets is None else f"at {vis.num_targets.data_ptr():#x}"
-        kind += f" (num_targets {nt}, contextual {vis.contextual}, window {vis.window}, min_full {vis.min_full})"
-    return kind
+def _describe(mask: torch.Tensor | FixedRule) -> str:
+    if isinstance(mask, torch.Tensor):
+        return f"attn_func of shape {tuple(mask.shape)} at {mask.data_ptr():#x}"
+    nt = "none" if mask.num_targets is None else f"at {mask.num_targets.data_ptr():#x}"
+    return (f"the fixed rule (causal {mask.causal}, num_targets {nt}, max_attn_len {mask.max_attn_len}, "
+            f"contextual_seq_len {mask.contextual_seq_len}, min_full_attn_seq_len {mask.min_full_attn_seq_len})")
+
+
+def _same_mask(a: torch.Tensor | FixedRule, b: torch.Tensor | FixedRule) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and _same_tensor(a, b)
+    return (a.causal == b.causal and _same_tensor(a.num_targets, b.num_targets)
+            and (a.max_attn_len, a.contextual_seq_len, a.min_full_attn_seq_len)
+            == (b.max_attn_len, b.contextual_seq_len, b.min_full_attn_seq_len))
 
 
 class AttnPlan:
     """The block plan of one batch and one mask; see ``build_plan``.
 
-    ``func``: the func the kernels read (``(Hf, NFUNC, total)`` int32), or None for the closed-form
-    causal and fixed rules; pass it as ``func=`` to calls with this plan (for ``causal=False`` it is
-    the plan's own all-visible func).
+    ``mask``: the func tensor or the fixed rule's parameters, as ``hstu_mha`` receives them; ``sparse``: the
+    tile family the Triton kernels use (None: decided from the mask, see ``build_plan``).
     """
 
-    def __init__(self, seq_offsets: torch.Tensor, total: int, max_seq_len: int, vis: Visibility):
+    def __init__(self, seq_offsets: torch.Tensor, total: int, max_seq_len: int, mask: torch.Tensor | FixedRule,
+                 sparse: bool | None):
         self.seq_offsets, self.total, self.max_seq_len = seq_offsets, total, max_seq_len
-        self.block = BlockPlan(seq_offsets.to(torch.int64).contiguous(), total, vis)
+        self.mask, self.sparse = mask, sparse
+        self._block = None
+
+    @property
+    def block(self):
+        """The Triton block plan (``ops.triton.block_plan.BlockPlan``), made on first use."""
+        if self._block is None:
+            from .triton.block_plan import BlockPlan
+            from .triton.op import visibility
+
+            offs = self.seq_offsets.to(torch.int64).contiguous()
+            mask = self.mask
+            if isinstance(mask, torch.Tensor):
+                vis = visibility(func=mask, sparse=self.sparse)
+            elif not mask.causal:  # every row sees its whole sequence: interval 0 ends at the length
+                _, _, length = row_coords(self.seq_offsets, self.total)
+                vis = visibility(func=length.to(torch.int32)[None, None], sparse=self.sparse)
+            else:
+                plain = mask.num_targets is None and mask.max_attn_len == 0 and mask.contextual_seq_len == 0
+                vis = visibility(num_targets=mask.num_targets, causal_closed_form=plain,
+                                 contextual=mask.contextual_seq_len, window=mask.max_attn_len,
+                                 min_full=mask.min_full_attn_seq_len, sparse=self.sparse,
+                                 max_seq_len=self.max_seq_len)
+            self._block = BlockPlan(offs, self.total, vis)
+        return self._block
 
     @property
     def func(self) -> torch.Tensor | None:
+        """The func the Triton kernels read: the call's, the plan's own all-visible func for ``causal=False``,
+        or None for the closed-form causal and fixed rules."""
         return self.block.vis.func
 
-    def check_call(self, seq_offsets: torch.Tensor, total: int, vis: Visibility) -> None:
+    def check(self, seq_offsets: torch.Tensor, total: int, mask: torch.Tensor | FixedRule) -> None:
         """Raise unless a call with these offsets, ``total`` rows and mask is the one this plan was built for."""
         if not _same_tensor(seq_offsets, self.seq_offsets):
-            raise bad_value("plan", "a plan built from this call's seq_offsets tensor (same storage and shape)",
+            raise bad_value("attn_plan", "a plan built from this call's seq_offsets tensor (same storage and shape)",
                             f"a plan of seq_offsets {tuple(self.seq_offsets.shape)} at "
                             f"{self.seq_offsets.data_ptr():#x}, call's {tuple(seq_offsets.shape)} at "
                             f"{seq_offsets.data_ptr():#x}")
         if total != self.total:
-            raise bad_value("plan", f"a plan for the call's {total} rows (q.shape[0])", f"a plan for {self.total}")
-        mine = self.block.vis
-        same = (vis.mode == mine.mode and _same_tensor(vis.func, mine.func)
-                and _same_tensor(vis.num_targets, mine.num_targets)
-                and (vis.contextual, vis.window, vis.min_full) == (mine.contextual, mine.window, mine.min_full))
-        if not same:
-            raise bad_value("plan", f"a plan for the call's mask, {_describe(vis)}", f"a plan for {_describe(mine)}")
+            raise bad_value("attn_plan", f"a plan for the call's {total} rows (q.shape[0])", f"a plan for {self.total}")
+        if not _same_mask(mask, self.mask):
+            raise bad_value("attn_plan", f"a plan for the call's mask, {_describe(mask)}",
+                            f"a plan for {_describe(self.mask)}")
+
+    def check_triton_call(self, seq_offsets: torch.Tensor, total: int, *, func, num_targets, causal_closed_form: bool,
+                          contextual: int, window: int, min_full: int) -> None:
+        """``check`` for a call of ``triton_hstu_mha``, whose mask arguments are the kernels' (a func, closed-form
+        causal, or the fixed rule's parameters); a ``causal=False`` plan is used through its own func."""
+        if func is not None:
+            own = isinstance(self.mask, FixedRule) and not self.mask.causal and func is self.func
+            mask = self.mask if own else func
+        elif causal_closed_form:
+            mask = FixedRule()
+        else:
+            mask = FixedRule(True, num_targets, window, contextual, min_full)
+        self.check(seq_offsets, total, mask)
 
 
 def build_plan(seq_offsets: torch.Tensor, *, total: int, max_seq_len: int, attn_func: torch.Tensor | None = None,
                num_targets: torch.Tensor | None = None, causal: bool = True, max_attn_len: int = 0,
-               contextual_seq_len: int = 0, min_full_attn_seq_len: int = 0,
+               contextual_seq_len: int = 0, min_full_attn_seq_len: int = 0, sparse: bool | None = None,
                device: torch.device | str | None = None) -> AttnPlan:
     """The block plan of a batch: ``seq_offsets (B + 1,)``, ``total`` rows, and the mask of ``hstu_mha``
     (``attn_func (Hf, NFUNC, total)``, or the fixed rule's arguments; docs/design.md, sections 2-3).
 
+    ``sparse``: whether each query block sees few key blocks (windows, SLA), which makes the Triton kernels
+    use smaller tiles; None decides from the mask: a fixed-rule window of at most a quarter of
+    ``max_seq_len`` is sparse, causal and funcs are not (a func's sparsity lives in its values, which are not
+    read). Results are the same either way; only speed differs.
+
     ``device`` defaults to the offsets' device (and must be it). Nothing is read back from the device;
-    the block tables are built now, the key-major plan of each dK/dV tile on first use.
+    Triton's block tables and key-major plans are built when a call first needs them.
     """
     if not isinstance(seq_offsets, torch.Tensor):
         raise bad_type("seq_offsets", "a torch.Tensor", type(seq_offsets).__name__)
     check_offsets_meta(seq_offsets)
     total = as_int("total", total)
     max_seq_len = as_int("max_seq_len", max_seq_len)
+    if sparse is not None and not isinstance(sparse, bool):
+        raise bad_type("sparse", "None or a bool", type(sparse).__name__)
     if device is not None and torch.device(device) != seq_offsets.device:
         raise bad_value("device", f"the device of seq_offsets ({seq_offsets.device})", torch.device(device))
     fixed_args = dict(num_targets=num_targets, causal=causal, max_attn_len=max_attn_len,
@@ -101,18 +152,13 @@ def build_plan(seq_offsets: torch.Tensor, *, total: int, max_seq_len: int, attn_
                             f"{tuple(attn_func.shape)} on {attn_func.device}")
         if can_read_values(attn_func) and can_read_values(seq_offsets):
             validate(attn_func, seq_offsets)
-        vis = visibility(func=attn_func)
-    elif not causal:
-        if (num_targets, max_attn_len, contextual_seq_len) != (None, 0, 0):
-            raise bad_value("causal", "True when num_targets, max_attn_len or contextual_seq_len is given", causal)
-        # Every row sees its whole sequence: interval 0 ends at the sequence length.
-        _, _, length = row_coords(seq_offsets, total)
-        vis = visibility(func=length.to(torch.int32)[None, None])
+        mask: torch.Tensor | FixedRule = attn_func
     else:
+        if not causal and (num_targets, max_attn_len, contextual_seq_len) != (None, 0, 0):
+            raise bad_value("causal", "True when num_targets, max_attn_len or contextual_seq_len is given", causal)
         if num_targets is not None and (num_targets.dim() != 1 or num_targets.numel() != seq_offsets.numel() - 1):
             raise bad_value("num_targets", f"shape ({seq_offsets.numel() - 1},)", tuple(num_targets.shape))
-        plain = num_targets is None and max_attn_len == 0 and contextual_seq_len == 0
-        vis = visibility(num_targets=num_targets, causal_closed_form=plain, contextual=as_int("contextual_seq_len",
-                         contextual_seq_len), window=as_int("max_attn_len", max_attn_len),
-                         min_full=as_int("min_full_attn_seq_len", min_full_attn_seq_len))
-    return AttnPlan(seq_offsets, total, max_seq_len, vis)
+        mask = FixedRule(bool(causal), num_targets, as_int("max_attn_len", max_attn_len),
+                         as_int("contextual_seq_len", contextual_seq_len),
+                         as_int("min_full_attn_seq_len", min_full_attn_seq_len))
+    return AttnPlan(seq_offsets, total, max_seq_len, mask, sparse)

@@ -2,8 +2,9 @@
 
 from .cache import HistoryCache, JaggedHistory, UserHistory
 from .delta_stack import DeltaLayout, delta_layout, extend, layer_delta, prefill, stack_delta
-from .export import MicroBatchScorer
+from .export import MicroBatchScorer, ScorerInputs, compile_scorer, export_scorer
 from .scoring import MicroBatch, micro_batches
 
-__all__ = ["DeltaLayout", "HistoryCache", "JaggedHistory", "MicroBatch", "MicroBatchScorer", "UserHistory",
-           "delta_layout", "extend", "layer_delta", "micro_batches", "prefill", "stack_delta"]
+__all__ = ["DeltaLayout", "HistoryCache", "JaggedHistory", "MicroBatch", "MicroBatchScorer", "ScorerInputs",
+           "UserHistory", "compile_scorer", "delta_layout", "export_scorer", "extend", "layer_delta", "micro_batches",
+           "prefill", "stack_delta"]

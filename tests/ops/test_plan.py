@@ -10,7 +10,9 @@ import pytest
 import torch
 from rules import offsets_from
 
-from flexhstu import masks
+import flexhstu
+from flexhstu import Kernel, masks
+from flexhstu.nn import STULayerConfig, STUStack
 from flexhstu.ops.plan import build_plan
 from flexhstu.ops.triton import triton_hstu_mha
 from flexhstu.ops.triton.debug import poison_outputs
@@ -110,14 +112,14 @@ def test_a_plan_of_other_offsets_is_refused():
     offs = offsets_from(LENGTHS).to(DEVICE)
     plan = build_plan(offs, total=sum(LENGTHS), max_seq_len=70)
     other = offsets_from(LENGTHS).to(DEVICE)  # equal values, another batch's tensor
-    with pytest.raises(ValueError, match="plan: expected a plan built from this call's seq_offsets"):
+    with pytest.raises(ValueError, match="attn_plan: expected a plan built from this call's seq_offsets"):
         _call(plan, other, sum(LENGTHS), causal_closed_form=True)
 
 
 def test_a_plan_of_another_total_is_refused():
     offs = offsets_from(LENGTHS).to(DEVICE)
     plan = build_plan(offs, total=sum(LENGTHS) + 1, max_seq_len=70)
-    with pytest.raises(ValueError, match=f"plan: expected a plan for the call's {sum(LENGTHS)} rows"):
+    with pytest.raises(ValueError, match=f"attn_plan: expected a plan for the call's {sum(LENGTHS)} rows"):
         _call(plan, offs, sum(LENGTHS), causal_closed_form=True)
 
 
@@ -128,7 +130,7 @@ def test_a_plan_of_another_mask_is_refused(call_mask):
     plan = build_plan(offs, total=sum(LENGTHS), max_seq_len=70, attn_func=func)
     margs = {"other-func": dict(func=func.clone()), "causal": dict(causal_closed_form=True),
              "fixed-window": dict(window=8)}[call_mask]
-    with pytest.raises(ValueError, match="plan: expected a plan for the call's mask"):
+    with pytest.raises(ValueError, match="attn_plan: expected a plan for the call's mask"):
         _call(plan, offs, sum(LENGTHS), **margs)
 
 
@@ -143,3 +145,74 @@ def test_build_plan_refuses_a_func_of_another_total():
     func = masks.causal(offsets_from([*LENGTHS, 3]).to(DEVICE))
     with pytest.raises(ValueError, match="attn_func: expected"):
         build_plan(offs, total=sum(LENGTHS), max_seq_len=70, attn_func=func)
+
+
+@pytest.mark.parametrize("name", ["sla", "fixed", "onerank"])
+def test_hstu_mha_with_a_sparse_plan_equals_the_plan_free_call(name):
+    # sparse=True switches the kernels to the other tile family (other block shapes in the interpreter too).
+    offs = offsets_from(LENGTHS).to(DEVICE)
+    total, n = sum(LENGTHS), max(LENGTHS)
+    kw = plan_kwargs(name, offs, LENGTHS)
+    plan = build_plan(offs, total=total, max_seq_len=n, sparse=True, **kw)
+    q, k, v = tensors(total, seed=3)
+    out = flexhstu.hstu_mha(n, 0.3, q, k, v, offs, attn_plan=plan, kernel=Kernel.TRITON, **kw)
+    ref = flexhstu.hstu_mha(n, 0.3, q, k, v, offs, kernel=Kernel.PYTORCH, **kw)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    dout = torch.randn_like(out)
+    for g, w in zip(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(ref, (q, k, v), dout)):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_every_backend_refuses_a_plan_of_another_mask():
+    offs = offsets_from(LENGTHS).to(DEVICE)
+    total, n = sum(LENGTHS), max(LENGTHS)
+    plan = build_plan(offs, total=total, max_seq_len=n, max_attn_len=8)
+    q, k, v = tensors(total, seed=0)
+    for kernel in (Kernel.PYTORCH, Kernel.TRITON):
+        with pytest.raises(ValueError, match="attn_plan: expected a plan for the call's mask"):
+            flexhstu.hstu_mha(n, 0.3, q, k, v, offs, max_attn_len=9, attn_plan=plan, kernel=kernel)
+
+
+def test_attn_plan_must_be_a_plan():
+    offs = offsets_from(LENGTHS).to(DEVICE)
+    q, k, v = tensors(sum(LENGTHS), seed=0)
+    with pytest.raises(TypeError, match="attn_plan: expected None or an AttnPlan"):
+        flexhstu.hstu_mha(70, 0.3, q, k, v, offs, attn_plan="plan")
+
+
+def test_the_stu_stack_builds_one_plan_per_batch(monkeypatch):
+    built = []
+    real = flexhstu.nn.stu.build_plan
+
+    def counting(*args, **kwargs):
+        built.append(kwargs.get("sparse"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(flexhstu.nn.stu, "build_plan", counting)
+    offs = offsets_from(LENGTHS).to(DEVICE)
+    total, n = sum(LENGTHS), max(LENGTHS)
+    cfg = STULayerConfig(embedding_dim=16, num_heads=2, attention_dim=16, hidden_dim=16, dropout=0.0,
+                         kernel=Kernel.TRITON, compile=False)
+    stack = STUStack(cfg, 3).to(DEVICE)
+    x = torch.randn(total, 16, device=DEVICE, requires_grad=True)
+    func = masks.sla(offs, 20, 4)
+    out = stack(x, offs, n, attn_func=func, sparse=True)
+    out.sum().backward()
+    assert built == [True]
+    cfg_ref = STULayerConfig(embedding_dim=16, num_heads=2, attention_dim=16, hidden_dim=16, dropout=0.0,
+                             kernel=Kernel.PYTORCH, compile=False)
+    ref_stack = STUStack(cfg_ref, 3).to(DEVICE)
+    ref_stack.load_state_dict(stack.state_dict())
+    torch.testing.assert_close(out, ref_stack(x, offs, n, attn_func=func), rtol=1e-4, atol=1e-5)
+
+
+def test_building_a_plan_imports_no_triton():
+    import subprocess
+    import sys
+
+    code = ("import sys, torch, flexhstu; o = torch.tensor([0, 3, 5]); "
+            "flexhstu.build_plan(o, total=5, max_seq_len=3, attn_func=flexhstu.masks.sla(o, 2, 1)); "
+            "print('triton' in sys.modules)")
+    env = {k: val for k, val in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == "False"

@@ -79,11 +79,27 @@ def test_resume_refuses_a_run_that_changes_the_model_or_data(one_epoch, tmp_path
     assert fragment in str(e.value)
 
 
-def test_resume_refuses_other_data_behind_the_same_name(one_epoch, tmp_path, monkeypatch):
-    out = _copy(one_epoch, tmp_path / "r")
-    monkeypatch.setattr(train, "load", lambda data, columns: synthetic(num_users=200))  # same name, other contents
-    with pytest.raises(UserError, match="--data-rows"):
-        train.main(TINY + ["--epochs", "3", "--resume", "--out", out])
+def test_resume_refuses_other_data_behind_the_same_name(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEXHSTU_CACHE", str(tmp_path / "cache"))
+    argv = TINY[2:] + ["--data", _ratings(tmp_path, 6), "--epochs", "3", "--out", str(tmp_path / "r")]
+    train.main(argv + ["--stop-after", "1"])
+    _ratings(tmp_path, 7)  # same name, other contents
+    with pytest.raises(UserError, match="--data-rows 30 in the checkpoint, 35 now"):
+        train.main(argv + ["--resume"])
+
+
+def test_a_checkpoint_older_than_a_setting_resumes_with_the_settings_default(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEXHSTU_CACHE", str(tmp_path / "cache"))
+    argv = TINY[2:] + ["--data", _ratings(tmp_path, 6), "--epochs", "2", "--out", str(tmp_path / "r")]
+    train.main(argv + ["--stop-after", "1"])
+    state = checkpoint.load(tmp_path / "r" / "checkpoint.pt")
+    for key in ("synthetic_users", "synthetic_items", "synthetic_len", "steps_per_epoch", "eval_users",
+                "shard_embeddings"):
+        del state["config"][key]  # as written before these settings existed
+    checkpoint.save(state, tmp_path / "r" / "checkpoint.pt")
+    assert [h["epoch"] for h in train.main(argv + ["--resume"])["history"]] == [1, 2]
+    with pytest.raises(UserError, match="--eval-users 0 in the checkpoint, 5 now"):
+        train.main(argv + ["--resume", "--eval-users", "5"])
 
 
 def test_resume_applies_a_new_learning_rate_and_more_epochs(one_epoch, tmp_path, capsys):

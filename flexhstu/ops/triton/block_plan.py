@@ -21,7 +21,10 @@ from .tables import BlockTables
 
 @dataclass
 class Visibility:
-    """How the kernels learn visibility: a func tensor, closed-form causal, or the closed-form fixed rule."""
+    """How the kernels learn visibility: a func tensor, closed-form causal, or the closed-form fixed rule.
+
+    ``sparse``: whether query blocks see few key blocks, which picks the kernels' tiles (``config.default_tiles``).
+    """
 
     mode: int
     func: torch.Tensor | None = None
@@ -29,6 +32,7 @@ class Visibility:
     contextual: int = 0
     window: int = 0
     min_full: int = 0
+    sparse: bool = False
 
     def nfunc(self) -> int:
         if self.mode == MODE_FUNC:

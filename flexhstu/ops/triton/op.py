@@ -62,10 +62,11 @@ def _bias_args(bias: kbias.Prepared | None) -> dict:
     return {} if bias is None else dict(BIAS=bias.args, HAS_BIAS=True)
 
 
-def call_tiles(q: torch.Tensor, v: torch.Tensor) -> Tiles:
-    """The tiles of one call (defaults for its head dims, or a ``tile_override`` in force), read once when the
-    call starts and carried to its backward, which autograd may run on another thread."""
-    return tiles(tile_dim(q.shape[2]), tile_dim(v.shape[2]), _interpreting())
+def call_tiles(q: torch.Tensor, v: torch.Tensor, vis: Visibility) -> Tiles:
+    """The tiles of one call (defaults for its head dims and the mask's sparsity, or a ``tile_override`` in
+    force), read once when the call starts and carried to its backward, which autograd may run on another
+    thread."""
+    return tiles(tile_dim(q.shape[2]), tile_dim(v.shape[2]), _interpreting(), vis.sparse)
 
 
 def forward(q, k, v, offs, vis: Visibility, alpha: float, out_scale: float,
@@ -80,7 +81,7 @@ def forward(q, k, v, offs, vis: Visibility, alpha: float, out_scale: float,
     if total == 0:
         return out
     interpreting = _interpreting()
-    tile = (tile_set or call_tiles(q, v)).forward
+    tile = (tile_set or call_tiles(q, v, vis)).forward
     plan = plan if plan is not None else BlockPlan(offs, total, vis)
     qtab, nqb = plan.tables.table(tile.block_m)
     hstu_forward_kernel[(nqb, nheads)](
@@ -102,7 +103,7 @@ def backward(dout, q, k, v, offs, vis: Visibility, alpha: float, out_scale: floa
     if total == 0:
         return dq, _new_like(k), _new_like(v)
     interpreting = _interpreting()
-    _, tq, tkv = tile_set or call_tiles(q, v)
+    _, tq, tkv = tile_set or call_tiles(q, v, vis)
     args = _attention_args(q, k, v, offs, vis, alpha, interpreting)
     args.update(_scale_args(attn_scale, offs))
     scale = 1.0 if attn_scale is not None else out_scale  # attn_scale replaces out_scale, row by row
@@ -156,30 +157,30 @@ def _table_grads(pos_w, ts_w, timestamps, prep) -> tuple[torch.Tensor, torch.Ten
 @torch.library.custom_op("flexhstu::hstu_mha_fwd", mutates_args=())
 def hstu_mha_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offsets: torch.Tensor,
                  func: torch.Tensor | None, num_targets: torch.Tensor | None, attn_scale: torch.Tensor | None,
-                 mode: int, contextual: int, window: int, min_full: int, alpha: float, out_scale: float,
-                 max_seq_len: int, pos_w: torch.Tensor | None = None, ts_w: torch.Tensor | None = None,
-                 timestamps: torch.Tensor | None = None) -> torch.Tensor:
+                 mode: int, contextual: int, window: int, min_full: int, sparse: bool, alpha: float,
+                 out_scale: float, max_seq_len: int, pos_w: torch.Tensor | None = None,
+                 ts_w: torch.Tensor | None = None, timestamps: torch.Tensor | None = None) -> torch.Tensor:
     """``pos_w``, ``ts_w``, ``timestamps``: a relative bias (``flexhstu.ops.bias.RelativeBias``), or three Nones."""
-    vis = Visibility(mode, func, num_targets, contextual, window, min_full)
+    vis = Visibility(mode, func, num_targets, contextual, window, min_full, sparse)
     bias = _prepared(q, seq_offsets, pos_w, ts_w, timestamps, with_grads=False)
     return forward(q, k, v, seq_offsets, vis, alpha, out_scale, attn_scale, bias=bias)
 
 
 @hstu_mha_fwd.register_fake
-def _(q, k, v, seq_offsets, func, num_targets, attn_scale, mode, contextual, window, min_full, alpha, out_scale,
-      max_seq_len, pos_w=None, ts_w=None, timestamps=None):
+def _(q, k, v, seq_offsets, func, num_targets, attn_scale, mode, contextual, window, min_full, sparse, alpha,
+      out_scale, max_seq_len, pos_w=None, ts_w=None, timestamps=None):
     return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
 
 
 @torch.library.custom_op("flexhstu::hstu_mha_bwd", mutates_args=())
 def hstu_mha_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offsets: torch.Tensor,
                  func: torch.Tensor | None, num_targets: torch.Tensor | None, attn_scale: torch.Tensor | None,
-                 mode: int, contextual: int, window: int, min_full: int, alpha: float, out_scale: float,
-                 max_seq_len: int, pos_w: torch.Tensor | None = None, ts_w: torch.Tensor | None = None,
-                 timestamps: torch.Tensor | None = None, table_grads: bool = False,
+                 mode: int, contextual: int, window: int, min_full: int, sparse: bool, alpha: float,
+                 out_scale: float, max_seq_len: int, pos_w: torch.Tensor | None = None,
+                 ts_w: torch.Tensor | None = None, timestamps: torch.Tensor | None = None, table_grads: bool = False,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv and the gradients of ``pos_w`` and ``ts_w`` (with ``table_grads``; else empty tensors)."""
-    vis = Visibility(mode, func, num_targets, contextual, window, min_full)
+    vis = Visibility(mode, func, num_targets, contextual, window, min_full, sparse)
     bias = _prepared(q, seq_offsets, pos_w, ts_w, timestamps, with_grads=table_grads)
     dq, dk, dv = backward(dout, q, k, v, seq_offsets, vis, alpha, out_scale, max_seq_len, attn_scale, bias=bias)
     if pos_w is None or not table_grads:
@@ -188,8 +189,8 @@ def hstu_mha_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
 
 
 @hstu_mha_bwd.register_fake
-def _(dout, q, k, v, seq_offsets, func, num_targets, attn_scale, mode, contextual, window, min_full, alpha,
-      out_scale, max_seq_len, pos_w=None, ts_w=None, timestamps=None, table_grads=False):
+def _(dout, q, k, v, seq_offsets, func, num_targets, attn_scale, mode, contextual, window, min_full, sparse,
+      alpha, out_scale, max_seq_len, pos_w=None, ts_w=None, timestamps=None, table_grads=False):
     if pos_w is None or not table_grads:
         tables = (q.new_empty(0), q.new_empty(0))
     else:
@@ -197,7 +198,7 @@ def _(dout, q, k, v, seq_offsets, func, num_targets, attn_scale, mode, contextua
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), *tables
 
 
-_NO_GRADS = (None,) * 11  # seq_offsets .. max_seq_len
+_NO_GRADS = (None,) * 12  # seq_offsets .. max_seq_len
 
 
 def _setup_context(ctx, inputs, output):
@@ -208,7 +209,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dout):
-    table_grads = ctx.saved_tensors[7] is not None and (ctx.needs_input_grad[14] or ctx.needs_input_grad[15])
+    table_grads = ctx.saved_tensors[7] is not None and (ctx.needs_input_grad[15] or ctx.needs_input_grad[16])
     dq, dk, dv, dpos, dts = hstu_mha_bwd(dout, *ctx.saved_tensors[:7], *ctx.rest, *ctx.saved_tensors[7:],
                                          table_grads)
     if not table_grads:
@@ -227,7 +228,7 @@ class _HstuAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, offs, func, num_targets, attn_scale, plan, alpha, out_scale, max_seq_len,
                 pos_w=None, ts_w=None, timestamps=None):
-        tile_set = call_tiles(q, v)
+        tile_set = call_tiles(q, v, plan.vis)
         bias = _prepared(q, offs, pos_w, ts_w, timestamps, with_grads=False)
         out = forward(q, k, v, offs, plan.vis, alpha, out_scale, attn_scale, plan, tile_set, bias)
         ctx.save_for_backward(q, k, v, offs, func, num_targets, attn_scale)  # the mask too: what backward reads
@@ -250,8 +251,13 @@ class _HstuAttention(torch.autograd.Function):
 
 
 def visibility(func=None, num_targets=None, causal_closed_form=False, contextual=0, window=0,
-               min_full=0) -> Visibility:
-    """The kernels' mask description from triton_hstu_mha's mask arguments (num_targets made contiguous)."""
+               min_full=0, sparse: bool | None = None, max_seq_len: int = 0) -> Visibility:
+    """The kernels' mask description from triton_hstu_mha's mask arguments (num_targets made contiguous).
+
+    ``sparse`` None decides from the mask: a fixed-rule window of at most a quarter of ``max_seq_len`` (or any
+    window when ``max_seq_len`` is not given) is sparse; causal and funcs are not (a func's sparsity is only
+    known from its values, which are not read here: a plan says it, ``build_plan(sparse=True)``).
+    """
     if num_targets is not None:
         num_targets = num_targets.contiguous()
     if func is not None:
@@ -260,7 +266,10 @@ def visibility(func=None, num_targets=None, causal_closed_form=False, contextual
         mode = MODE_CAUSAL
     else:
         mode = MODE_FIXED
-    return Visibility(int(mode), func, num_targets, contextual, window, min_full)
+    mode = int(mode)  # a plain int: tl.constexpr objects do not compare under torch.compile's tracing
+    if sparse is None:
+        sparse = mode == int(MODE_FIXED) and window > 0 and (max_seq_len <= 0 or 4 * window <= max_seq_len)
+    return Visibility(mode, func, num_targets, contextual, window, min_full, bool(sparse))
 
 
 def _check_attn_scale(attn_scale: torch.Tensor, total: int, device: torch.device) -> None:
@@ -312,9 +321,11 @@ def triton_hstu_mha(q, k, v, seq_offsets, *, func=None, num_targets=None, causal
             raise bad_value(name, f"a head dim from {MIN_HEAD_DIM} to {MAX_HEAD_DIM} for the Triton kernels", d)
     if attn_scale is not None:
         _check_attn_scale(attn_scale, q.shape[0], q.device)
-    vis = visibility(func, num_targets, causal_closed_form, contextual, window, min_full)
+    vis = visibility(func, num_targets, causal_closed_form, contextual, window, min_full, max_seq_len=max_seq_len)
     if plan is not None:
-        plan.check_call(seq_offsets, q.shape[0], vis)
+        plan.check_triton_call(seq_offsets, q.shape[0], func=func, num_targets=num_targets,
+                               causal_closed_form=causal_closed_form, contextual=contextual, window=window,
+                               min_full=min_full)
         block = plan.block
     else:
         # The kernels read offsets and num_targets as plain int64 / int arrays (no strides): made so here, once.
@@ -323,6 +334,6 @@ def triton_hstu_mha(q, k, v, seq_offsets, *, func=None, num_targets=None, causal
     tables = (None, None, None) if rel_bias is None else tuple(rel_bias)
     if torch.compiler.is_compiling():
         return hstu_mha_fwd(q, k, v, offs, vis.func, vis.num_targets, attn_scale, vis.mode, vis.contextual,
-                            vis.window, vis.min_full, alpha, out_scale, max_seq_len, *tables)
+                            vis.window, vis.min_full, vis.sparse, alpha, out_scale, max_seq_len, *tables)
     return _HstuAttention.apply(q, k, v, offs, vis.func, vis.num_targets, attn_scale, block, alpha, out_scale,
                                 max_seq_len, *tables)
