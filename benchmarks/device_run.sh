@@ -4,6 +4,7 @@
 #   check    the GPU correctness suite (tests/gpu), outputs poisoned, float32 references (CHECK_K=expr: a subset)
 #   compile  sm_90 compile of every kernel variant, registers and spills
 #   bench    the attention suite of benchmarks/RESULTS.md (flexhstu bench --suite)
+#   graphs   which STU configurations capture in a CUDA graph (benchmarks/graph_check.py, a process each)
 #   bias     the relative attention bias in the kernels vs the same kernels without it (benchmarks/bench_bias.py)
 #   stu      the STU model step (flexhstu/bench_stu.py --suite), step time and peak memory
 #   serving  cached delta scoring vs full recompute (flexhstu/bench_serving.py --quick)
@@ -35,7 +36,8 @@ for s in $stages; do
     check) run check 240 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider ${CHECK_K:+-k "$CHECK_K"} ;;
     compile) run compile 120 python3 benchmarks/compile_check.py ;;
     bench) run bench 330 python3 benchmarks/bench.py --json "$OUT/bench.json" ;;
-    bias) run bias 200 python3 benchmarks/bench_bias.py --json "$OUT/bias.json" ;;
+    graphs) run graphs 200 python3 benchmarks/graph_check.py ;;
+    bias) run bias 150 python3 benchmarks/bench_bias.py --json "$OUT/bias.json" ;;
     stu) run stu 220 python3 -m flexhstu.bench_stu --suite --dropout 0 --variants eager lean default \
            --json "$OUT/stu.json" ;;
     serving) run serving 200 python3 -m flexhstu.bench_serving --quick --json "$OUT/serving.json" ;;

@@ -96,9 +96,11 @@ def test_stu_stack_captured_in_a_cuda_graph_equals_eager(mask):
     step = _Step(stack, offs, n, kw, plan)
     x = torch.randn(total, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dout = torch.randn(total, 256, device="cuda", dtype=torch.bfloat16)
+    # Captured first: an eager autograd graph alive during the capture holds the parameters' gradient
+    # accumulators, made on the default stream, which the captured backward may not wait on.
+    graphed = torch.cuda.make_graphed_callables(step, (x.detach().clone().requires_grad_(True),))
     out_e = step(x)
     grads_e = torch.autograd.grad(out_e, [x, *stack.parameters()], dout)
-    graphed = torch.cuda.make_graphed_callables(step, (x.detach().clone().requires_grad_(True),))
     xg = x.detach().clone().requires_grad_(True)
     out_g = graphed(xg)
     grads_g = torch.autograd.grad(out_g, [xg, *stack.parameters()], dout)
