@@ -41,18 +41,19 @@ def _poisoned_outputs():
         yield
 
 
-def edge_gaps(num_buckets: int) -> list[int]:
-    """Gaps on both sides of every bucket edge below 10^8 (the bucket changes between E - 1 and E)."""
-    edges = [int(e) for e in kbias.bucket_edges(num_buckets)[1:-1] if e < 1e8]
+def edge_gaps(num_buckets: int, limit: float = 1e8) -> list[int]:
+    """Gaps on both sides of every bucket edge below ``limit`` (the bucket changes between E - 1 and E)."""
+    edges = [int(e) for e in kbias.bucket_edges(num_buckets)[1:-1] if e < limit]
     return sorted({g for e in edges for g in (e - 1, e, e + 1)})
 
 
 def make_times(lengths, kind, seed=0, num_buckets=40):
     """int64 ``(total,)``: ``sorted`` (increasing, gaps hitting bucket edges exactly), ``unsorted`` (random, with
-    repeats), or ``edges`` (each sequence's consecutive gaps walk the edges, up and down)."""
+    repeats), ``edges`` (each sequence's consecutive gaps walk the edges, up and down), or ``wide`` (every
+    other sequence spans up to ~10^15 units at edge values, in no order)."""
     g = torch.Generator().manual_seed(seed)
     out = []
-    gaps = torch.tensor(edge_gaps(num_buckets))
+    gaps = torch.tensor(edge_gaps(num_buckets, 1e15 if kind == "wide" else 1e8))
     for n in lengths:
         if kind == "sorted":
             steps = gaps[torch.randint(0, len(gaps), (n,), generator=g)]
@@ -60,6 +61,14 @@ def make_times(lengths, kind, seed=0, num_buckets=40):
         elif kind == "unsorted":
             t = torch.randint(0, 10**7, (n,), generator=g)
             t[1::4] = t[0::4][: t[1::4].numel()]  # equal times: gap 0
+        elif kind == "wide":
+            # Sequences alternate: times spanning far more than 2^31 - 1 units in one 256-row chunk (steps from
+            # the bucket edges, up to ~10^15, in no order: the exact int64 path) and narrow ones (the int32 path).
+            if len(out) % 2 == 0:
+                t = 1_700_000_000_000 + gaps[torch.randint(0, len(gaps), (n,), generator=g)]
+                t[1::4] = t[0::4][: t[1::4].numel()]  # equal times: gap 0
+            else:
+                t = 1_700_000_000 + torch.cumsum(gaps[torch.randint(0, 8, (n,), generator=g)], 0)
         else:
             steps = gaps[torch.arange(n) % len(gaps)] * torch.where(torch.arange(n) % 3 == 2, -1, 1)
             t = 10**9 + torch.cumsum(steps, 0)
@@ -199,11 +208,12 @@ def _bias_probe_kernel(bias, OFFS, OUT, n, BM: tl.constexpr, BN: tl.constexpr, T
             out = OUT + ((b * tl.num_programs(2) + h) * n + rows[:, None]) * n + cols[None, :]
             if TRANS:
                 zero = tl.zeros((BN, BM), tl.float32)
-                t = kbias.add_bias(zero, bias, h, rows, cols, ai, bi, d, b_lo, b_hi, True)
+                t = kbias.add_bias(zero, bias, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, True)
                 tl.store(out, tl.trans(t), mask=ok)
             else:
                 zero = tl.zeros((BM, BN), tl.float32)
-                tl.store(out, kbias.add_bias(zero, bias, h, rows, cols, ai, bi, d, b_lo, b_hi, False), mask=ok)
+                tl.store(out, kbias.add_bias(zero, bias, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, False),
+                         mask=ok)
 
 
 def test_bucket_edges_reproduce_the_reference_bucket_of_every_gap_around_them():
@@ -294,14 +304,9 @@ def test_an_empty_batch_gives_zero_table_gradients():
     assert (dpos == 0).all() and (dts == 0).all() and dts.shape == ts_w.shape
 
 
-def test_a_chunk_spanning_too_much_time_is_refused_on_the_cpu():
-    if DEVICE != "cpu":
-        pytest.skip("the check reads the times: CPU tensors only")
-    lengths = [20]
-    offs = offsets_from(lengths)
-    (q, k, v), (pos_w, ts_w), _ = inputs(lengths, per_head=False, positions=5, num_buckets=10)
-    ts = torch.arange(20) * (2**31 // 10)  # 19 steps of 2^31 / 10: a span of 3.9 * 2^31 in one chunk
-    with pytest.raises(ValueError, match=r"rel_bias.timestamps: expected at most 2147483646 time units .*got a span"):
-        flexhstu.hstu_mha(20, None, q, k, v, offs, rel_bias=RelativeBias(pos_w, ts_w, ts), kernel=Kernel.TRITON)
-    ok = flexhstu.hstu_mha(20, None, q, k, v, offs, rel_bias=RelativeBias(pos_w, ts_w, ts), kernel=Kernel.PYTORCH)
-    assert torch.isfinite(ok).all()
+@pytest.mark.parametrize("mask", ["causal", "sla"])
+def test_chunks_spanning_more_than_int32_time_units_are_exact(mask):
+    # Millisecond-like times whose 256-row chunks span up to ~10^15 units (int32 offsets cannot hold them) beside
+    # narrow sequences: the tiles of wide chunks take the int64 path, the others the int32 one; 128 buckets, so
+    # gaps above 2^31 land in buckets 72-128 and must be told apart exactly.
+    check_against_reference([45, 23, 38], mask, per_head=False, positions=50, num_buckets=128, times="wide")

@@ -144,7 +144,7 @@ def hstu_backward_dkdv_kernel(
                     d = base_a - base_b
                     b_lo, b_hi = tile_buckets(BIAS, amin, amax, bmin, bmax, d)
                     if m0 < L:  # always: keeps the pipeliner off the bias loads (bias.PIPELINE_GUARD)
-                        s = add_bias(s, BIAS, h, rows, cols, ai, bi, d, b_lo, b_hi, True)
+                        s = add_bias(s, BIAS, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, True)
                 sig = sigmoid(s, FAST_SIGMOID)
                 p = s * sig
                 dsilu = sig * (1.0 + s * (1.0 - sig))
@@ -170,7 +170,8 @@ def hstu_backward_dkdv_kernel(
                     p = tl.where(vis, p, 0.0)
                     ds = tl.where(vis, ds, 0.0)
                 if BIAS_GRAD:
-                    bias_grad(BIAS, h, ds, rows, cols, ai, bi, d, b_lo, b_hi, dv_scale, DOT_PRECISION, True)
+                    bias_grad(BIAS, h, seq_start, L, ds, rows, cols, ai, bi, d, b_lo, b_hi, dv_scale, DOT_PRECISION,
+                              True)
                 acc_v += tl.dot(p, do, input_precision=DOT_PRECISION)
                 acc_k += tl.dot(ds, q, input_precision=DOT_PRECISION)
             dk_ptrs = tile_ptrs(DK, cols_g, h, TILE_QK)

@@ -17,9 +17,11 @@ What is made once per call, on the device, with torch ops (no host read; ``prepa
   ``base``). Every tile's rows lie in one chunk and so do its keys (blocks are powers of two up to
   ``CHUNK``), so a tile reads int32 vectors and two scalar bases: ``gap = a - b + D`` with
   ``D = base_rows - base_keys``, exact while a chunk spans less than ``2^31 - 1`` time units (68 years in
-  seconds, 24.8 days in milliseconds; ``prepare`` checks it where it can read the times, CPU tensors, and
-  says so). int32 keeps a tile's per-key time vector at 16 registers where float64 needs 32, which the
-  dK/dV kernel (k, v and both accumulators held throughout) cannot spare;
+  seconds, 24.8 days in milliseconds). int32 keeps a tile's per-key time vector at 16 registers where
+  float64 needs 32, which the dK/dV kernel (k, v and both accumulators held throughout) cannot spare. A
+  *wide* chunk (a larger span) gets the base NaN, found on the device without a host read; a tile whose
+  ``D`` is NaN takes the exact path of ``_wide_times`` / ``_wide_far`` (int64 times, compared per pair
+  with per-row int64 thresholds) instead, so any times give the reference's buckets;
 * the **bucket edges** (``bucket_edges``): ``E[k]``, the smallest integer gap whose bucket is at least
   ``k``, found on the host with the reference's own float64 formula (``flexhstu.ops.bias.time_bucket``)
   and cached per ``num_buckets`` and device, as float64 and as int32 (saturated). ``bucket(g)`` is then
@@ -56,8 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._errors import bad_value
-from ...jagged import can_read_values, row_coords
+from ...jagged import row_coords
 from ..bias import RelativeBias, time_bucket
 
 POS_SLACK = 256
@@ -118,7 +119,9 @@ class Bias(NamedTuple):
     (``*_stride_h`` 0 when shared by the heads); ``pos_center``: the slot of relative position 0;
     ``edges`` / ``edges32``: ``(num_buckets + 2,)`` float64 / int32; ``time32`` / ``next32``: int32
     ``(total,)`` offsets of each row's time and next time from ``time_base`` / ``next_base``, float64
-    ``(total,)``, their chunk's minimum; ``dpos`` / ``dts``: float32 gradient buffers shaped like ``pos`` /
+    ``(total,)``, their chunk's minimum, or NaN for a *wide* chunk (one whose times span ``INT32_SPAN`` or
+    more: its offsets are saturated and unused); ``time64`` / ``next64``: the int64 times themselves, read
+    by tiles that touch a wide chunk; ``dpos`` / ``dts``: float32 gradient buffers shaped like ``pos`` /
     ``ts`` (zeros; written by the dK/dV kernel) or empty."""
 
     pos: torch.Tensor
@@ -133,6 +136,8 @@ class Bias(NamedTuple):
     time_base: torch.Tensor
     next32: torch.Tensor
     next_base: torch.Tensor
+    time64: torch.Tensor
+    next64: torch.Tensor
     dpos: torch.Tensor
     dts: torch.Tensor
 
@@ -151,16 +156,17 @@ def _heads(w: torch.Tensor) -> torch.Tensor:
 
 
 def _chunked(values: torch.Tensor, chunk: torch.Tensor, nchunks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``values`` (int64) as int32 offsets from their chunk's minimum (saturated), and that minimum per row as
-    float64. A span of ``INT32_SPAN`` or more is an error where the values can be read (CPU tensors)."""
+    """``values`` (int64) as int32 offsets from their chunk's minimum, and that minimum per row as float64, NaN
+    for the rows of a chunk whose values span ``INT32_SPAN`` or more (device ops only, no host read): tiles
+    that meet such a chunk take the exact int64 path (``add_bias``), whatever the times are."""
     big = torch.iinfo(torch.int64).max
     low = torch.full((nchunks,), big, dtype=torch.int64, device=values.device).scatter_reduce(0, chunk, values, "amin")
+    high = torch.full((nchunks,), -big - 1, dtype=torch.int64, device=values.device).scatter_reduce(
+        0, chunk, values, "amax")
+    wide = (high - low >= INT32_SPAN)[chunk]
     rel = values - low[chunk]
-    if can_read_values(rel) and rel.numel() and int(rel.max()) >= INT32_SPAN:
-        raise bad_value("rel_bias.timestamps", f"at most {INT32_SPAN - 1} time units between the events of any "
-                        f"{CHUNK} consecutive rows of a sequence for Kernel.TRITON (Kernel.PYTORCH has no such "
-                        "limit)", f"a span of {int(rel.max())}")
-    return rel.clamp(max=INT32_SPAN).to(torch.int32), low[chunk].to(torch.float64)
+    base = low[chunk].to(torch.float64).masked_fill(wide, math.nan)
+    return rel.clamp(max=INT32_SPAN).to(torch.int32), base
 
 
 def prepare(rel_bias: RelativeBias, seq_offsets: torch.Tensor, total: int, with_grads: bool) -> Prepared:
@@ -189,7 +195,8 @@ def prepare(rel_bias: RelativeBias, seq_offsets: torch.Tensor, total: int, with_
     dpos = torch.zeros_like(pos) if with_grads else pos.new_empty(0)
     dts = torch.zeros_like(ts) if with_grads else ts.new_empty(0)
     args = Bias(pos, pos.stride(0) if pos.shape[0] > 1 else 0, pad + half, ts, ts.stride(0) if ts.shape[0] > 1 else 0,
-                ts.shape[1] - 1, edges, edges32, time32, time_base, next32, next_base, dpos, dts)
+                ts.shape[1] - 1, edges, edges32, time32, time_base, next32, next_base, times.contiguous(),
+                nxt.contiguous(), dpos, dts)
     return Prepared(args, pad, n_pos)
 
 
@@ -263,6 +270,7 @@ def bucket_of(bias, x):
 def tile_buckets(bias, amin, amax, bmin, bmax, d):
     """The buckets ``(b_lo, b_hi)`` of the smallest and largest ``|a - b + d|`` for ``a`` in ``[amin, amax]`` (the
     rows' next times) and ``b`` in ``[bmin, bmax]`` (the keys' times): every pair's bucket lies between."""
+    d = tl.where(d == d, d, 0.0)  # NaN: a wide chunk, whose tiles find their buckets themselves (add_bias)
     lo = (amin - bmax).to(tl.float64) + d
     hi = (amax - bmin).to(tl.float64) + d
     gmin = tl.where(lo >= 0, lo, tl.where(hi <= 0, -hi, 0.0))
@@ -290,39 +298,72 @@ def query_major_bias(s, bias, brows, h, seq_start, L, rows, cols, n0):
         bi, bmin, bmax, base_b = bias_cols(bias, seq_start, L, cols, n0)
         d = base_a - base_b
         b_lo, b_hi = tile_buckets(bias, amin, amax, bmin, bmax, d)
-        s = add_bias(s, bias, h, rows, cols, ai, bi, d, b_lo, b_hi, False)
+        s = add_bias(s, bias, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, False)
     return s
 
 
 @triton.jit
-def add_bias(s, bias, h, rows, cols, ai, bi, d, b_lo, b_hi, TRANS: tl.constexpr):
+def _wide_times(bias, seq_start, L, rows, cols):
+    """A tile that meets a wide chunk: its rows' next times and its keys' times as int64 vectors, and the buckets
+    of its smallest and largest gap (``tile_buckets`` on exact int64 extremes)."""
+    ta = _at(bias.next64, seq_start, L, rows)
+    tb = _at(bias.time64, seq_start, L, cols)
+    lo, hi = tile_buckets(bias, tl.min(ta, axis=0), tl.max(ta, axis=0), tl.min(tb, axis=0), tl.max(tb, axis=0), 0.0)
+    return ta, tb, lo, hi
+
+
+@triton.jit
+def _wide_far(bias, k, ta, tb, TRANS: tl.constexpr):
+    """Pairs with ``|ta - tb| >= E_k``, as ``tb <= ta - E_k`` or ``tb >= ta + E_k``: per-row int64 thresholds
+    against per-key int64 times, no 64-bit value per pair (times within +-2^62; edges past 2^62 are never
+    reached, their float64 value ``inf`` is held as 2^62)."""
+    e = tl.minimum(tl.load(bias.edges + k), 4611686018427387904.0).to(tl.int64)
+    below = ta - e
+    above = ta + e
+    if TRANS:
+        return (tb[:, None] <= below[None, :]) | (tb[:, None] >= above[None, :])
+    return (tb[None, :] <= below[:, None]) | (tb[None, :] >= above[:, None])
+
+
+@triton.jit
+def add_bias(s, bias, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, TRANS: tl.constexpr):
     """``s`` plus the float32 bias of its tile, ``(rows, cols)``, or ``(cols, rows)`` when TRANS; ``ai``, ``bi``:
     the rows' and keys' int32 times, ``d`` the difference of their bases, ``b_lo .. b_hi``: ``tile_buckets``.
 
     The position entry and the lowest bucket's weight first; then for each edge between ``b_lo`` and ``b_hi``
     the step to the next bucket's weight where the pair's gap reaches it (the float32 sum of the steps
-    differs from the weight by rounding only).
+    differs from the weight by rounding only). ``d`` NaN (a wide chunk): the same from the int64 times.
     """
     tsw = bias.ts + h * bias.ts_stride_h
     posw = bias.pos + h * bias.pos_stride_h + bias.pos_center
-    w = tl.load(tsw + b_lo)
     if TRANS:
-        s += tl.load(posw + (cols[:, None] - rows[None, :])) + w
+        s += tl.load(posw + (cols[:, None] - rows[None, :]))
     else:
-        s += tl.load(posw + (cols[None, :] - rows[:, None])) + w
-    # The first UNROLLED edges unrolled, the rest in a loop behind a branch: a loop directly in the kernels' main
-    # loop stops Triton's software pipelining of the K/V loads (seen on sm_90); a branch does not.
-    for j in tl.static_range(UNROLLED):
-        k = b_lo + 1 + j
-        if k <= b_hi:
+        s += tl.load(posw + (cols[None, :] - rows[:, None]))
+    if d != d:
+        ta, tb, lo, hi = _wide_times(bias, seq_start, L, rows, cols)
+        w = tl.load(tsw + lo)
+        s += w
+        for k in range(lo + 1, hi + 1):
             w_next = tl.load(tsw + k)
-            s += tl.where(_far(bias, k, ai, bi, d, TRANS), w_next - w, 0.0)
+            s += tl.where(_wide_far(bias, k, ta, tb, TRANS), w_next - w, 0.0)
             w = w_next
-    if b_hi - b_lo > UNROLLED:
-        for k in range(b_lo + 1 + UNROLLED, b_hi + 1):
-            w_next = tl.load(tsw + k)
-            s += tl.where(_far(bias, k, ai, bi, d, TRANS), w_next - w, 0.0)
-            w = w_next
+    else:
+        w = tl.load(tsw + b_lo)
+        s += w
+        # The first UNROLLED edges unrolled, the rest in a loop behind a branch: a loop directly in the kernels'
+        # main loop stops Triton's software pipelining of the K/V loads (seen on sm_90); a branch does not.
+        for j in tl.static_range(UNROLLED):
+            k = b_lo + 1 + j
+            if k <= b_hi:
+                w_next = tl.load(tsw + k)
+                s += tl.where(_far(bias, k, ai, bi, d, TRANS), w_next - w, 0.0)
+                w = w_next
+        if b_hi - b_lo > UNROLLED:
+            for k in range(b_lo + 1 + UNROLLED, b_hi + 1):
+                w_next = tl.load(tsw + k)
+                s += tl.where(_far(bias, k, ai, bi, d, TRANS), w_next - w, 0.0)
+                w = w_next
     return s
 
 
@@ -361,7 +402,7 @@ def _reached_sum(g, far):
 
 
 @triton.jit
-def bias_grad(bias, h, ds, rows, cols, ai, bi, d, b_lo, b_hi, scale, DOT_PRECISION: tl.constexpr,
+def bias_grad(bias, h, seq_start, L, ds, rows, cols, ai, bi, d, b_lo, b_hi, scale, DOT_PRECISION: tl.constexpr,
               TRANS: tl.constexpr):
     """Add this tile's table gradients into ``bias.dts`` and ``bias.dpos``: ``ds`` is the tile's masked
     gradient of the pre-silu scores divided by ``scale`` (``(cols, rows)`` when TRANS, else ``(rows, cols)``);
@@ -371,18 +412,26 @@ def bias_grad(bias, h, ds, rows, cols, ai, bi, d, b_lo, b_hi, scale, DOT_PRECISI
     # Time buckets: the sum over pairs whose gap reaches each edge; bucket b gets the difference of consecutive
     # sums (one reduction and one scalar atomic per bucket).
     prev = tl.sum(tl.sum(g, axis=1), axis=0)
-    for j in tl.static_range(UNROLLED):  # as in add_bias
-        k = b_lo + 1 + j
-        if k <= b_hi:
-            part = tl.sum(tl.sum(tl.where(_far(bias, k, ai, bi, d, TRANS), g, 0.0), axis=1), axis=0)
+    if d != d:  # a wide chunk: the int64 times (add_bias)
+        ta, tb, lo, hi = _wide_times(bias, seq_start, L, rows, cols)
+        for k in range(lo + 1, hi + 1):
+            part = tl.sum(tl.sum(tl.where(_wide_far(bias, k, ta, tb, TRANS), g, 0.0), axis=1), axis=0)
             tl.atomic_add(dts + k - 1, prev - part, sem="relaxed")
             prev = part
-    if b_hi - b_lo > UNROLLED:
-        for k in range(b_lo + 1 + UNROLLED, b_hi + 1):
-            part = tl.sum(tl.sum(tl.where(_far(bias, k, ai, bi, d, TRANS), g, 0.0), axis=1), axis=0)
-            tl.atomic_add(dts + k - 1, prev - part, sem="relaxed")
-            prev = part
-    tl.atomic_add(dts + b_hi, prev, sem="relaxed")
+        tl.atomic_add(dts + hi, prev, sem="relaxed")
+    else:
+        for j in tl.static_range(UNROLLED):  # as in add_bias
+            k = b_lo + 1 + j
+            if k <= b_hi:
+                part = tl.sum(tl.sum(tl.where(_far(bias, k, ai, bi, d, TRANS), g, 0.0), axis=1), axis=0)
+                tl.atomic_add(dts + k - 1, prev - part, sem="relaxed")
+                prev = part
+        if b_hi - b_lo > UNROLLED:
+            for k in range(b_lo + 1 + UNROLLED, b_hi + 1):
+                part = tl.sum(tl.sum(tl.where(_far(bias, k, ai, bi, d, TRANS), g, 0.0), axis=1), axis=0)
+                tl.atomic_add(dts + k - 1, prev - part, sem="relaxed")
+                prev = part
+        tl.atomic_add(dts + b_hi, prev, sem="relaxed")
     # Positions: diagonal sums of the tile, then one atomic per (block diagonal, offset).
     X: tl.constexpr = ds.shape[0]
     Y: tl.constexpr = ds.shape[1]
