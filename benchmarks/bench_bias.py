@@ -50,20 +50,6 @@ def median_ms(fn, repeats: int) -> tuple[float, float]:
     return med, (max(xs) - min(xs)) / med
 
 
-def captured(fn):
-    """``fn`` captured in a CUDA graph after warm-up calls on a side stream; returns the replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
 def kernel_times(fn) -> dict[str, float]:
     """Device microseconds per call of each kernel of ``fn`` (torch.profiler over 5 eager calls)."""
     from torch.profiler import ProfilerActivity, profile
@@ -83,6 +69,7 @@ def kernel_times(fn) -> dict[str, float]:
 
 def run(name: str, mask: str, args) -> dict:
     from flexhstu import Kernel, hstu_mha, masks
+    from flexhstu.bench import captured
     from flexhstu.jagged import offsets_from_lengths
     from flexhstu.ops.bias import RelativeBias
 

@@ -122,16 +122,9 @@ def kernel_times(fb, iters=5) -> dict[str, float]:
 def graph_ms(fb) -> float:
     import triton
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fb()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fb()
-    return triton.testing.do_bench(g.replay, warmup=10, rep=40, return_mode="median")
+    from flexhstu.bench import captured
+
+    return triton.testing.do_bench(captured(fb), warmup=10, rep=40, return_mode="median")
 
 
 def main() -> int:

@@ -143,7 +143,7 @@ def _median_of(fn, repeats: int, warmup: int, rep: int) -> Timing:
     return Timing(med, (max(xs) - min(xs)) / med)
 
 
-def _captured(fn):
+def captured(fn):
     """``fn`` captured in a CUDA graph (warmed up on a side stream first); returns its replay."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -213,7 +213,7 @@ def _sdpa(case: Case, dtype, timing: dict, row: Row) -> None:
         return torch.autograd.grad(fwd(), (qs, ks, vs), ds)
 
     row.sdpa_pairs = b * h * n * (n + 1) // 2
-    row.sdpa = {"eager_fwd": timing(fwd), "eager_fb": timing(fb), "graph_fb": timing(_captured(fb))}
+    row.sdpa = {"eager_fwd": timing(fwd), "eager_fb": timing(fb), "graph_fb": timing(captured(fb))}
 
 
 def run_case(case: Case, *, repeats: int = 3, warmup: int = 10, rep: int = 40, flex: bool = True,
@@ -243,8 +243,8 @@ def run_case(case: Case, *, repeats: int = 3, warmup: int = 10, rep: int = 40, f
     fb()
     torch.cuda.synchronize()
     row.first_call_s = time.perf_counter() - t0
-    row.ours = {"eager_fwd": timing(fwd), "eager_fb": timing(fb), "graph_fwd": timing(_captured(fwd)),
-                "graph_fb": timing(_captured(fb))}
+    row.ours = {"eager_fwd": timing(fwd), "eager_fb": timing(fb), "graph_fwd": timing(captured(fwd)),
+                "graph_fb": timing(captured(fb))}
     if case.sdpa:
         _sdpa(case, dtype, timing, row)
     if flex and case.flex:
