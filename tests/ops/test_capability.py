@@ -38,10 +38,6 @@ UNSUPPORTED = {
     "attn-scale-grad": (
         {}, dict(attn_scale=torch.full((8,), 0.5, requires_grad=True)), r"attn_scale: expected a tensor that does not"
     ),
-    "rel-bias": (
-        {}, dict(rel_bias=RelativeBias(torch.zeros(9), torch.zeros(129), torch.arange(8))),
-        r"rel_bias: expected None for Kernel.TRITON \(no attention bias .*got a RelativeBias",
-    ),
     "rab": ({}, dict(rab=torch.zeros(2, 5, 5)), r"rab: expected None for Kernel.TRITON .*got \(2, 5, 5\)"),
     "non-causal-window": ({}, dict(causal=False, max_attn_len=2), r"causal: expected True with max_attn_len"),
     "non-causal-contextual": (
@@ -83,6 +79,9 @@ def test_predicate_accepts_what_triton_runs(shape_kw, call_kw, monkeypatch):
     assert triton_unsupported_reason(q, v, FixedRule(**call_kw), 0.0) is None
     assert triton_unsupported_reason(q, v, masks.causal(offsets_from(LENGTHS)), 0.0) is None
     assert triton_unsupported_reason(q, v, FixedRule(**call_kw), 0.0, attn_scale=torch.full((8,), 0.5)) is None
+    # The relative bias's tables run in the kernels (a dense rab does not: UNSUPPORTED).
+    tables = RelativeBias(torch.zeros(9), torch.zeros(129), torch.arange(8))
+    assert triton_unsupported_reason(q, v, FixedRule(**call_kw), 0.0, bias=tables) is None
 
 
 def test_predicate_wants_cuda_outside_the_interpreter(monkeypatch):
