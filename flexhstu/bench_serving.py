@@ -239,18 +239,12 @@ def device_ms(call: Callable[[], object], setup: Setup) -> tuple[float, float]:
         return lat.median_ms, lat.median_ms
     import triton.testing
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up (compiles the kernels) off the capture stream
-        for _ in range(3):
-            call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    graph_ms = triton.testing.do_bench(graph.replay, return_mode="median")
+    from .bench import captured
+
+    replay = captured(call)  # warm-up (compiles the kernels) off the capture stream, then the capture
+    graph_ms = triton.testing.do_bench(replay, return_mode="median")
     eager_ms = triton.testing.do_bench(call, return_mode="median")
-    del graph
+    del replay  # the graph and its memory pool
     return graph_ms, eager_ms
 
 
