@@ -4,7 +4,7 @@
     PYTHONPATH=$PWD python benchmarks/compile_check.py --quick   # D 128 and 96 only
 
 Every dim also compiles the kernels with the relative attention bias (``rel_bias``: HAS_BIAS, and
-BIAS_GRAD in the dK/dV kernel) for the causal and SLA masks; the lines show ``HAS_BIAS=True``.
+BIAS_GRAD in the dK/dV kernel) for the causal, fixed-rule window and SLA masks; the lines show ``HAS_BIAS=True``.
 
 The real entry point (``triton_hstu_mha``, forward and backward) runs on CPU tensors
 while ``JITFunction.run`` is replaced by a function that binds the launch arguments
@@ -109,7 +109,7 @@ def main() -> int:
         for case in ("causal", "fixed", "func3", "func9"):
             print(f"## bf16 Dqk{dqk} Dv{dv} {case}", flush=True)
             run(torch.bfloat16, dqk, dv, case)
-        for case in ("causal", "func3"):
+        for case in ("causal", "fixed", "func3"):  # fixed: a window, so sparse (non-square) tiles
             print(f"## bf16 Dqk{dqk} Dv{dv} {case} with rel_bias", flush=True)
             run(torch.bfloat16, dqk, dv, case, bias=True)
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -19,13 +19,16 @@ from flexhstu.ops.bias import RelativeBias
 
 
 def times(lengths, kind, seed=0):
-    """int64 Unix-second times per sequence: sorted (gaps 1 s .. 1 day, log-uniform) or random (one year)."""
+    """int64 times per sequence: Unix seconds sorted (gaps 1 s .. 1 day, log-uniform) or random (one year), or
+    ``wide``: random microseconds over 30 years, so 256-row chunks span more than 2^31 - 1 units (int64 path)."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for n in lengths:
         if kind == "sorted":
             gaps = torch.exp(torch.rand(n, generator=g) * 11.4).to(torch.int64)
             out.append(1_600_000_000 + torch.cumsum(gaps, 0))
+        elif kind == "wide":
+            out.append(1_600_000_000_000_000 + torch.randint(0, 30 * 365 * 86400 * 10**6, (n,), generator=g))
         else:
             out.append(1_600_000_000 + torch.randint(0, 365 * 86400, (n,), generator=g))
     return torch.cat(out).cuda() if out else torch.zeros(0, dtype=torch.int64, device="cuda")
@@ -60,7 +63,7 @@ def test_bias_every_mask_bf16_d128(name):
     bias_check([4096, 0, 2013, 777], 2, 128, torch.bfloat16, name, positions=4096, per_head=False)
 
 
-@pytest.mark.parametrize("kind", ["sorted", "random"])
+@pytest.mark.parametrize("kind", ["sorted", "random", "wide"])
 def test_bias_short_position_table_per_head_fp16(kind):
     # P = 300 is shorter than the sequences: relative positions beyond +-299 take the table's end entries.
     bias_check([3001, 1500, 1, 130], 2, 64, torch.float16, "sla 256/32", positions=300, per_head=True, kind=kind)
@@ -73,3 +76,9 @@ def test_bias_causal_b4_s8192_h4():
 @pytest.mark.parametrize("dim", [64, 256])
 def test_bias_head_dims(dim):
     bias_check([2048, 901], 2, dim, torch.bfloat16, "causal", positions=2048, per_head=True)
+
+
+@pytest.mark.parametrize("name", ["causal", "sla 256/32"])
+def test_bias_times_wider_than_int32_bf16(name):
+    # Every chunk spans ~10^15 units: the kernels' exact int64 time path on sm_90, against the reference.
+    bias_check([3001, 0, 517, 1024], 2, 128, torch.bfloat16, name, positions=1024, per_head=False, kind="wide")

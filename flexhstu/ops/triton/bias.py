@@ -320,9 +320,12 @@ def _wide_far(bias, k, ta, tb, TRANS: tl.constexpr):
     e = tl.minimum(tl.load(bias.edges + k), 4611686018427387904.0).to(tl.int64)
     below = ta - e
     above = ta + e
+    # One return: Triton types every return of a function, a constexpr branch's too (tiles need not be square).
     if TRANS:
-        return (tb[:, None] <= below[None, :]) | (tb[:, None] >= above[None, :])
-    return (tb[None, :] <= below[:, None]) | (tb[None, :] >= above[:, None])
+        far = (tb[:, None] <= below[None, :]) | (tb[:, None] >= above[None, :])
+    else:
+        far = (tb[None, :] <= below[:, None]) | (tb[None, :] >= above[:, None])
+    return far
 
 
 @triton.jit
