@@ -58,6 +58,7 @@ def delta_hstu_mha(
     min_full_attn_seq_len: int = 0,
     attn_func: torch.Tensor | None = None,
     scaling_seqlen: int = -1,
+    kv_lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """HSTU attention for a subset of each sequence's rows (docs/design.md, section 9). Forward only.
 
@@ -81,6 +82,11 @@ def delta_hstu_mha(
       defaults to ``max_seq_len``, an upper bound on the whole sequences' lengths).
     - ``kernel``: ``Kernel.AUTO`` runs Triton on CUDA tensors it supports and the
       PyTorch reference otherwise.
+    - ``kv_lengths (B,)`` (integer, optional): sequence ``b`` is only the first
+      ``kv_lengths[b]`` rows of its slot ``seq_offsets[b] .. seq_offsets[b + 1]``
+      (``L_b`` above), the rest of the slot is ignored. Serving keeps a buffer per
+      layer with each history followed by room for new rows, and writes each
+      micro-batch's rows there instead of copying the history every call.
 
     On CPU tensors (outside torch.compile) bad offsets, ``q_start`` or
     ``num_targets`` raise; on CUDA they are not read (no sync), and a query row
@@ -102,25 +108,49 @@ def delta_hstu_mha(
                             delta_q.shape[0])
         q_offsets, q_start = last_rows_offsets(seq_offsets, delta_q.shape[0] // max(batch, 1))
     _check_query_layout(q_offsets, q_start, batch)
+    if kv_lengths is not None:
+        _check_kv_lengths_meta(kv_lengths, batch)
     _check_same_device(delta_q, k=k, v=v, seq_offsets=seq_offsets, q_offsets=q_offsets, q_start=q_start,
-                       num_targets=num_targets, attn_func=attn_func)
+                       num_targets=num_targets, attn_func=attn_func, kv_lengths=kv_lengths)
     max_seq_len = as_int("max_seq_len", max_seq_len)
     rule = _checked_rule(FixedRule(True, num_targets, max_attn_len, contextual_seq_len, min_full_attn_seq_len), batch)
     if attn_func is not None:
         _check_func_alone(attn_func, rule, delta_q)
     if can_read_values(seq_offsets):
-        _check_values_on_host(seq_offsets, q_offsets, q_start, k.shape[0], delta_q.shape[0], max_seq_len, num_targets)
+        _check_values_on_host(seq_offsets, q_offsets, q_start, k.shape[0], delta_q.shape[0], max_seq_len, num_targets,
+                              kv_lengths)
     elif torch.compiler.is_compiling():
-        _assert_values_on_device(seq_offsets, q_offsets, q_start, k.shape[0], delta_q.shape[0])
+        _assert_values_on_device(seq_offsets, q_offsets, q_start, k.shape[0], delta_q.shape[0], kv_lengths)
     alpha = delta_q.shape[2] ** -0.5 if alpha is None else as_finite("alpha", alpha)
     scaling = as_finite("scaling_seqlen", scaling_seqlen)
     if scaling <= 0:
         scaling = float(max_seq_len) or 1.0
     mask = attn_func if attn_func is not None else rule
     if _choose_backend(kernel, delta_q, v, mask) == Kernel.TRITON:
-        return _run_triton(delta_q, k, v, seq_offsets, q_offsets, q_start, mask, alpha, scaling)
+        return _run_triton(delta_q, k, v, seq_offsets, q_offsets, q_start, mask, alpha, scaling, kv_lengths)
+    if kv_lengths is not None:  # the reference reads the used rows, packed (one sync: it is the reference)
+        seq_offsets, rows = _packed_rows(seq_offsets, kv_lengths)
+        k, v = k[rows], v[rows]
     return pytorch_delta_hstu_mha(delta_q, k, v, seq_offsets, q_offsets, q_start, mask, alpha=alpha,
                                   scaling_seqlen=scaling, max_seq_len=max_seq_len)
+
+
+def _packed_rows(seq_offsets: torch.Tensor, kv_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The offsets of the sequences without their slots' unused rows, and those rows' indices in the slots."""
+    lengths = torch.minimum(kv_lengths.to(torch.int64).clamp(min=0), lengths_of(seq_offsets).to(torch.int64))
+    packed = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+    seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
+    rows = torch.arange(seq.numel(), device=lengths.device) - packed[seq] + seq_offsets.to(torch.int64)[seq]
+    return packed, rows
+
+
+def _check_kv_lengths_meta(kv_lengths, batch: int) -> None:
+    if not isinstance(kv_lengths, torch.Tensor):
+        raise bad_type("kv_lengths", f"a ({batch},) integer tensor or None", type(kv_lengths).__name__)
+    if kv_lengths.dtype.is_floating_point or kv_lengths.dtype.is_complex or kv_lengths.dtype == torch.bool:
+        raise bad_type("kv_lengths", "an integer tensor (rows used in each slot)", kv_lengths.dtype)
+    if kv_lengths.dim() != 1 or kv_lengths.numel() != batch:
+        raise bad_value("kv_lengths", f"a ({batch},) tensor", f"shape {tuple(kv_lengths.shape)}")
 
 
 
@@ -147,9 +177,17 @@ def _check_query_layout(q_offsets: torch.Tensor, q_start: torch.Tensor, batch: i
 
 
 def _check_values_on_host(seq_offsets, q_offsets, q_start, total_kv: int, total_q: int, max_seq_len: int,
-                          num_targets) -> None:
+                          num_targets, kv_lengths=None) -> None:
     check_offsets_values(seq_offsets, total=total_kv)
     check_offsets_values(q_offsets, "q_offsets", total=total_q)
+    if kv_lengths is not None:  # the used rows of each slot: from here on the sequences are those
+        used, slot = kv_lengths.detach().to("cpu", torch.int64), lengths_of(seq_offsets).cpu()
+        bad = (used < 0) | (used > slot)
+        if bool(bad.any()):
+            b = int(torch.nonzero(bad)[0, 0])
+            raise bad_value(f"kv_lengths[{b}]", f"0 <= kv_lengths <= the slot's rows {int(slot[b])} (seq_offsets)",
+                            int(used[b]))
+        seq_offsets = torch.cat([used.new_zeros(1), used.cumsum(0)])
     check_lengths_at_most(seq_offsets, max_seq_len)
     length, nq = lengths_of(seq_offsets).cpu(), lengths_of(q_offsets).cpu()
     start = q_start.detach().to("cpu", torch.int64)
@@ -162,15 +200,21 @@ def _check_values_on_host(seq_offsets, q_offsets, q_start, total_kv: int, total_
         check_num_targets_values(num_targets, seq_offsets)
 
 
-def _assert_values_on_device(seq_offsets, q_offsets, q_start, total_kv: int, total_q: int) -> None:
+def _assert_values_on_device(seq_offsets, q_offsets, q_start, total_kv: int, total_q: int, kv_lengths=None) -> None:
     """The host checks as device-side assertions: no sync and no graph break under torch.compile."""
     for name, offs, total in (("seq_offsets", seq_offsets, total_kv), ("q_offsets", q_offsets, total_q)):
         offs = offs.to(torch.int64)
         torch._assert_async(offs[0] == 0, f"{name}[0]: expected 0 (asserted under torch.compile)")
         torch._assert_async((lengths_of(offs) >= 0).all(), f"{name}: expected non-decreasing offsets (under compile)")
         torch._assert_async(offs[-1] == total, f"{name}[-1]: expected the rows of the data (under compile)")
+    length = lengths_of(seq_offsets)
+    if kv_lengths is not None:
+        used = kv_lengths.to(torch.int64)
+        torch._assert_async(((used >= 0) & (used <= length)).all(),
+                            "kv_lengths: expected 0 <= kv_lengths <= the slots' rows (under compile)")
+        length = used
     start = q_start.to(torch.int64)
-    fits = (start >= 0) & (start + lengths_of(q_offsets) <= lengths_of(seq_offsets))
+    fits = (start >= 0) & (start + lengths_of(q_offsets) <= length)
     torch._assert_async(fits.all(), "q_start: expected 0 <= q_start <= L - (query rows) (under compile)")
 
 
@@ -192,10 +236,11 @@ def _choose_backend(kernel: Kernel | str, delta_q: torch.Tensor, v: torch.Tensor
     return kernel
 
 
-def _run_triton(delta_q, k, v, seq_offsets, q_offsets, q_start, mask, alpha: float, scaling: float) -> torch.Tensor:
+def _run_triton(delta_q, k, v, seq_offsets, q_offsets, q_start, mask, alpha: float, scaling: float,
+                kv_lengths=None) -> torch.Tensor:
     from .triton.delta_op import triton_delta_hstu_mha
 
-    common = dict(alpha=alpha, out_scale=1.0 / scaling)
+    common = dict(alpha=alpha, out_scale=1.0 / scaling, kv_lengths=kv_lengths)
     if isinstance(mask, torch.Tensor):
         return triton_delta_hstu_mha(delta_q, k, v, seq_offsets, q_offsets, q_start, func=mask, **common)
     plain = mask.num_targets is None and mask.max_attn_len == 0 and mask.contextual_seq_len == 0

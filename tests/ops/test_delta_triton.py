@@ -8,7 +8,7 @@ from rules import offsets_from
 
 import flexhstu
 from flexhstu import Kernel, masks
-from flexhstu.ops.triton.delta_op import triton_delta_hstu_mha
+from flexhstu.ops.triton.delta_op import forced_key_splits, key_splits, triton_delta_hstu_mha
 
 # Long enough to cross several 32-row query blocks and 16-column key blocks; one empty sequence.
 LENGTHS, STARTS, COUNTS = [40, 0, 70, 9], [10, 0, 3, 0], [30, 0, 50, 9]
@@ -81,3 +81,77 @@ def test_explicit_triton_without_a_supported_input_raises_with_the_reason():
     with pytest.raises(ValueError, match=r"q.dtype: expected float16, bfloat16 or float32 for Kernel.TRITON"):
         flexhstu.delta_hstu_mha(80, None, q[rows], k, v, offs, q_offsets=q_offsets, q_start=q_start,
                                 kernel=Kernel.TRITON)
+
+
+@pytest.mark.parametrize("splits", [2, 3, 16])
+@pytest.mark.parametrize("name", ["causal", "fixed", "onerank", "random-per-head"])
+def test_key_blocks_split_across_programs_add_up_to_the_full_call(name, splits):
+    # A split walks every splits-th key block of its query block; the float32 partial sums are added on the host.
+    # 16 splits is more than any sequence's key blocks: most splits see nothing and must write zeros.
+    q, k, v, offs, rows, q_offsets, q_start = batch()
+    if name in RULES:
+        full_kw = delta_kw = RULES[name]
+    else:
+        func = funcs(offs)[name]
+        full_kw, delta_kw = dict(attn_func=func), dict(attn_func=func[:, :, rows])
+    full = flexhstu.hstu_mha(80, 0.3, q, k, v, offs, kernel=Kernel.PYTORCH, **full_kw)
+    with forced_key_splits(splits):
+        got = flexhstu.delta_hstu_mha(80, 0.3, q[rows], k, v, offs, q_offsets=q_offsets, q_start=q_start,
+                                      kernel=Kernel.TRITON, **delta_kw)
+    torch.testing.assert_close(got, full[rows], rtol=2e-5, atol=2e-5)
+
+
+def test_small_requests_split_and_large_ones_do_not():
+    assert key_splits(programs=8, kv_blocks=256, multiprocessors=132) == 16
+    assert key_splits(programs=32, kv_blocks=256, multiprocessors=132) == 8
+    assert key_splits(programs=8, kv_blocks=12, multiprocessors=132) == 2  # 6 key blocks each
+    assert key_splits(programs=8, kv_blocks=7, multiprocessors=132) == 1  # too few key blocks to share
+    assert key_splits(programs=512, kv_blocks=256, multiprocessors=132) == 1
+
+
+def slotted(k, v, offs, room, garbage=float("nan")):
+    """K and V in slots of ``L_b + room[b]`` rows, the spare rows filled with ``garbage``; the slots' offsets."""
+    lengths = offs.diff()
+    slot_offs = offsets_from((lengths + torch.tensor(room)).tolist())
+    ks = torch.full((int(slot_offs[-1]), *k.shape[1:]), garbage)
+    vs = torch.full((int(slot_offs[-1]), *v.shape[1:]), garbage)
+    for b in range(len(lengths)):
+        ks[slot_offs[b]:slot_offs[b] + lengths[b]] = k[offs[b]:offs[b + 1]]
+        vs[slot_offs[b]:slot_offs[b] + lengths[b]] = v[offs[b]:offs[b + 1]]
+    return ks, vs, slot_offs, lengths
+
+
+@pytest.mark.parametrize("kernel", [Kernel.TRITON, Kernel.PYTORCH])
+@pytest.mark.parametrize("name", ["causal", "fixed", "onerank"])
+def test_kv_lengths_read_only_the_used_rows_of_each_slot(name, kernel):
+    # Spare rows hold NaN: a kernel that read one would return NaN.
+    q, k, v, offs, rows, q_offsets, q_start = batch()
+    ks, vs, slot_offs, lengths = slotted(k, v, offs, room=[5, 3, 0, 17])
+    if name in RULES:
+        full_kw = delta_kw = RULES[name]
+    else:
+        func = funcs(offs)[name]
+        full_kw, delta_kw = dict(attn_func=func), dict(attn_func=func[:, :, rows])
+    full = flexhstu.hstu_mha(80, 0.3, q, k, v, offs, kernel=Kernel.PYTORCH, **full_kw)
+    with forced_key_splits(2):
+        got = flexhstu.delta_hstu_mha(80, 0.3, q[rows], ks, vs, slot_offs, q_offsets=q_offsets, q_start=q_start,
+                                      kernel=kernel, kv_lengths=lengths, **delta_kw)
+    torch.testing.assert_close(got, full[rows], rtol=2e-5, atol=2e-5)
+
+
+def test_kv_lengths_past_the_slot_are_refused_on_the_host_and_clamped_in_the_kernel():
+    q, k, v, offs, rows, q_offsets, q_start = batch()
+    ks, vs, slot_offs, lengths = slotted(k, v, offs, room=[0, 0, 0, 0], garbage=0.0)
+    with pytest.raises(ValueError, match=r"kv_lengths\[2\].*0 <= kv_lengths <= the slot's rows 70"):
+        flexhstu.delta_hstu_mha(80, 0.3, q[rows], ks, vs, slot_offs, q_offsets=q_offsets, q_start=q_start,
+                                kv_lengths=lengths + torch.tensor([0, 0, 1, 0]))
+    with pytest.raises(TypeError, match="kv_lengths"):
+        flexhstu.delta_hstu_mha(80, 0.3, q[rows], ks, vs, slot_offs, q_offsets=q_offsets, q_start=q_start,
+                                kv_lengths=lengths.float())
+    # Unchecked (as on CUDA): lengths past the slot or negative read no other sequence's rows.
+    bad = torch.tensor([1000, 0, 70, -5])
+    got = triton_delta_hstu_mha(q[rows], ks, vs, slot_offs, q_offsets, q_start, alpha=0.3, out_scale=1 / 80,
+                                kv_lengths=bad)
+    want = triton_delta_hstu_mha(q[rows], ks, vs, slot_offs, q_offsets, q_start, alpha=0.3, out_scale=1 / 80,
+                                 kv_lengths=torch.tensor([40, 0, 70, 0]))
+    torch.testing.assert_close(got, want)

@@ -19,21 +19,26 @@ from .tables import locate_block
 
 @triton.jit
 def delta_forward_kernel(
-    Q, K, V, OUT, func, rule, OFFS, QOFFS, QSTART, QTAB, n_flat,
+    Q, K, V, OUT, func, rule, OFFS, KVLEN, QOFFS, QSTART, QTAB, n_flat, total_q,
     alpha, out_scale,  # out_scale = 1 / scaling_seqlen
     NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_TARGETS: tl.constexpr, INTERVALS_POW2: tl.constexpr,
     FAST_SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr, DIM_V: tl.constexpr,
-    TILE_QK: tl.constexpr, TILE_V: tl.constexpr,
+    TILE_QK: tl.constexpr, TILE_V: tl.constexpr, HAS_KVLEN: tl.constexpr, N_SPLITS: tl.constexpr,
 ):
-    """``Q``: ``Jagged (total_q, H, DIM_QK)`` by ``QOFFS``; ``K``, ``V``: ``Jagged (total_kv, H, D)`` by ``OFFS``;
-    ``OUT (total_q, H, DIM_V)`` (zero-filled: rows outside their sequence are never written); ``QSTART (B,)``;
-    grid ``(n_flat, H)`` over ``QTAB``, the query rows' block table."""
+    """``Q``: ``Jagged (total_q, H, DIM_QK)`` by ``QOFFS``; ``K``, ``V``: ``Jagged (total_kv, H, D)`` by ``OFFS``
+    (with HAS_KVLEN, sequence ``b``'s keys are the first ``KVLEN[b]`` rows from ``OFFS[b]``); ``QSTART (B,)``;
+    grid ``(n_flat, H, N_SPLITS)`` over ``QTAB``, the query rows' block table. ``OUT``: ``(N_SPLITS * total_q,
+    H, DIM_V)``, zero-filled (rows outside their sequence are never written); split ``s`` writes the sum over its
+    key blocks (``query_major_walk``) at rows ``s * total_q + row``, for the caller to add up."""
     INTERVALS_IN_REGISTERS: tl.constexpr = NFUNC <= 7  # as the training forward (query_major_program)
     h = tl.program_id(1)
+    split = tl.program_id(2)
     seq, qb, q_first, nq = locate_block(QTAB, QOFFS, n_flat - 1 - tl.program_id(0), BLOCK_M)
     seq_start = tl.load(OFFS + seq).to(tl.int64)
     L = (tl.load(OFFS + seq + 1) - seq_start).to(tl.int32)
+    if HAS_KVLEN:  # clamped to the slot: a bad length (not checked on the GPU) never reads another sequence
+        L = tl.minimum(tl.maximum(tl.load(KVLEN + seq).to(tl.int32), 0), L)
     r0 = qb * BLOCK_M
     m0 = tl.load(QSTART + seq).to(tl.int32) + r0  # local position of the block's first row
     # m0 < L also bounds the causal walk when q_start is garbage (it is not checked on the GPU).
@@ -48,5 +53,6 @@ def delta_forward_kernel(
             seq=seq, seq_start=seq_start, L=L, m0=m0, rows=rows, row_ok=row_ok, rows_g=qrows_g, alpha=alpha,
             BLOCK_FN=attend, NFUNC=NFUNC, MODE=MODE, HAS_TARGETS=HAS_TARGETS, INTERVALS_POW2=INTERVALS_POW2,
             INTERVALS_IN_REGISTERS=INTERVALS_IN_REGISTERS, FAST_SIGMOID=FAST_SIGMOID, DOT_PRECISION=DOT_PRECISION,
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK, TILE_V=TILE_V)
-        store_rows(OUT, qrows_g, row_ok, h, acc * out_scale, DIM_V, TILE_V)
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK, TILE_V=TILE_V,
+            SPLIT=split, N_SPLITS=N_SPLITS)
+        store_rows(OUT, split.to(tl.int64) * total_q + qrows_g, row_ok, h, acc * out_scale, DIM_V, TILE_V)

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
 import torch
 
 from .args import jagged
@@ -12,45 +17,86 @@ from .op import Visibility, _attention_args, _interpreting, _last_dim_contiguous
 from .rules import MODE_CAUSAL, MODE_FIXED, MODE_FUNC
 from .tables import block_table
 
+MAX_SPLITS = 16
+_FORCED_SPLITS: ContextVar[int | None] = ContextVar("flexhstu_delta_splits", default=None)
 
-def delta_forward(delta_q, k, v, offs, q_offs, q_start, vis: Visibility, alpha: float, out_scale: float):
-    """``(total_q, H, Dv)``; offsets int64, ``q_start (B,)`` int64 (see ``delta_forward_kernel``)."""
+
+@contextmanager
+def forced_key_splits(splits: int) -> Iterator[None]:
+    """Within the block every delta call splits its key blocks ``splits`` ways (tests and benchmarks)."""
+    token = _FORCED_SPLITS.set(splits)
+    try:
+        yield
+    finally:
+        _FORCED_SPLITS.reset(token)
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 4 elsewhere (the interpreter), so CPU tests split too."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def key_splits(programs: int, kv_blocks: int, multiprocessors: int) -> int:
+    """How many splits of each program's key blocks (a power of two, at most ``MAX_SPLITS``): enough programs
+    for two waves of the device when a request is small (one user's micro-batch: a few query blocks, each
+    walking a long history), never fewer than four key blocks a split."""
+    splits = 1
+    while (splits < MAX_SPLITS and programs * splits * 2 <= 2 * multiprocessors
+           and kv_blocks >= 4 * splits * 2):
+        splits *= 2
+    return splits
+
+
+def delta_forward(delta_q, k, v, offs, q_offs, q_start, vis: Visibility, alpha: float, out_scale: float,
+                  kv_lengths: torch.Tensor | None = None):
+    """``(total_q, H, Dv)``; offsets int64, ``q_start (B,)`` int64, ``kv_lengths (B,)`` int64 or None (see
+    ``delta_forward_kernel``). Small requests split each program's key blocks (``key_splits``) and add the
+    splits' float32 partial sums (no atomics: the result does not depend on the order programs run in)."""
     delta_q, k, v = _last_dim_contiguous(delta_q, k, v)
     total_q, nheads, dqk = delta_q.shape
-    out = torch.zeros(total_q, nheads, v.shape[2], dtype=delta_q.dtype, device=delta_q.device)
+    dv = v.shape[2]
     if total_q == 0 or k.shape[0] == 0:
-        return out
+        return torch.zeros(total_q, nheads, dv, dtype=delta_q.dtype, device=delta_q.device)
     interpreting = _interpreting()
-    tile = tiles(tile_dim(dqk), tile_dim(v.shape[2]), interpreting).forward
+    tile = tiles(tile_dim(dqk), tile_dim(dv), interpreting).forward
     qtab, nqb = block_table(q_offs, total_q, tile.block_m)
-    delta_forward_kernel[(nqb, nheads)](
+    batch = max(q_offs.shape[0] - 1, 1)
+    splits = _FORCED_SPLITS.get() or key_splits(nqb * nheads, -(-k.shape[0] // (batch * tile.block_n)),
+                                                _multiprocessors(delta_q.device))
+    out = torch.zeros(splits * total_q, nheads, dv, dtype=delta_q.dtype if splits == 1 else torch.float32,
+                      device=delta_q.device)
+    delta_forward_kernel[(nqb, nheads, splits)](
         **_attention_args(delta_q, k, v, offs, vis, alpha, interpreting), **tile.launch(),
-        OUT=jagged(out), QOFFS=q_offs, QSTART=q_start, QTAB=qtab, n_flat=nqb, out_scale=out_scale,
+        OUT=jagged(out), KVLEN=offs if kv_lengths is None else kv_lengths, HAS_KVLEN=kv_lengths is not None,
+        QOFFS=q_offs, QSTART=q_start, QTAB=qtab, n_flat=nqb, total_q=total_q, out_scale=out_scale,
+        N_SPLITS=splits,
     )
-    return out
+    return out if splits == 1 else out.view(splits, total_q, nheads, dv).sum(0).to(delta_q.dtype)
 
 
 @torch.library.custom_op("flexhstu::delta_hstu_mha_fwd", mutates_args=())
 def delta_hstu_mha_fwd(delta_q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offsets: torch.Tensor,
                        q_offsets: torch.Tensor, q_start: torch.Tensor, func: torch.Tensor | None,
                        num_targets: torch.Tensor | None, mode: int, contextual: int, window: int, min_full: int,
-                       alpha: float, out_scale: float) -> torch.Tensor:
+                       alpha: float, out_scale: float, kv_lengths: torch.Tensor | None = None) -> torch.Tensor:
     vis = Visibility(mode, func, num_targets, contextual, window, min_full)
-    return delta_forward(delta_q, k, v, seq_offsets, q_offsets, q_start, vis, alpha, out_scale)
+    return delta_forward(delta_q, k, v, seq_offsets, q_offsets, q_start, vis, alpha, out_scale, kv_lengths)
 
 
 @delta_hstu_mha_fwd.register_fake
 def _(delta_q, k, v, seq_offsets, q_offsets, q_start, func, num_targets, mode, contextual, window, min_full, alpha,
-      out_scale):
+      out_scale, kv_lengths=None):
     return delta_q.new_empty(delta_q.shape[0], delta_q.shape[1], v.shape[2])
 
 
 def triton_delta_hstu_mha(delta_q, k, v, seq_offsets, q_offsets, q_start, *, func=None, num_targets=None,
                           causal_closed_form=False, contextual: int = 0, window: int = 0, min_full: int = 0,
-                          alpha: float, out_scale: float) -> torch.Tensor:
+                          alpha: float, out_scale: float, kv_lengths: torch.Tensor | None = None) -> torch.Tensor:
     """The custom op: ``func`` given decides visibility; else causal or the fixed rule in closed form."""
     mode = MODE_FUNC if func is not None else (MODE_CAUSAL if causal_closed_form else MODE_FIXED)
     as64 = lambda x: x if x.dtype == torch.int64 and x.is_contiguous() else x.to(torch.int64).contiguous()
     nt = None if num_targets is None else as64(num_targets)
+    kvl = None if kv_lengths is None else as64(kv_lengths)
     return delta_hstu_mha_fwd(delta_q, k, v, as64(seq_offsets), as64(q_offsets), as64(q_start), func, nt, int(mode),
-                              contextual, window, min_full, alpha, out_scale)
+                              contextual, window, min_full, alpha, out_scale, kvl)

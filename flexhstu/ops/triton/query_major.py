@@ -36,24 +36,27 @@ def query_major_walk(acc, q, do, K, V, func, rule, h, seq, seq_start, L, m0, row
                      DOT_PRECISION: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr, DIM_V: tl.constexpr,
                      TILE_QK: tl.constexpr, TILE_V: tl.constexpr, BIAS=None, BROWS=None,
-                     HAS_BIAS: tl.constexpr = False):
+                     HAS_BIAS: tl.constexpr = False, SPLIT=0, N_SPLITS: tl.constexpr = 1):
     """``acc (BLOCK_M, D)`` plus the contribution of every key block that query block ``m0`` sees.
 
     ``q (BLOCK_M, DIM_QK)`` and ``do (BLOCK_M, DIM_V)`` are the block's tiles (the forward passes ``q``
     for ``do``, unused); ``K``, ``V``: ``Jagged``. ``BIAS``, ``BROWS``, HAS_BIAS: passed to ``BLOCK_FN``
-    (the relative bias and the program's rows' times).
+    (the relative bias and the program's rows' times). With N_SPLITS > 1 only the key blocks of split
+    ``SPLIT`` (every N_SPLITS-th of the walk, from the SPLIT-th) are visited: the caller sums the splits.
     """
     if MODE == MODE_CAUSAL:
         # Key blocks wholly at or before the first row need no mask; the rest meet the diagonal.
         n_full = (m0 + 1) // BLOCK_N
         n_end = (tl.minimum(m0 + BLOCK_M, L) + BLOCK_N - 1) // BLOCK_N
-        for kb in range(0, n_full):
+        # Split SPLIT takes the key blocks kb with kb % N_SPLITS == SPLIT, in both loops.
+        diag_first = n_full if N_SPLITS == 1 else n_full + (SPLIT - n_full % N_SPLITS + N_SPLITS) % N_SPLITS
+        for kb in range(SPLIT, n_full, N_SPLITS):
             x, y = BLOCK_FN(q=q, do=do, K=K, V=V, h=h, seq_start=seq_start, L=L, n0=kb * BLOCK_N, rows=rows,
                             alpha=alpha, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK, TILE_V=TILE_V,
                             CAUSAL_MASK=False, FAST_SIGMOID=FAST_SIGMOID, DOT_PRECISION=DOT_PRECISION,
                             BIAS=BIAS, BROWS=BROWS, HAS_BIAS=HAS_BIAS)
             acc += tl.dot(x.to(y.dtype), y, input_precision=DOT_PRECISION)
-        for kb in range(n_full, n_end):
+        for kb in range(diag_first, n_end, N_SPLITS):
             x, y = BLOCK_FN(q=q, do=do, K=K, V=V, h=h, seq_start=seq_start, L=L, n0=kb * BLOCK_N, rows=rows,
                             alpha=alpha, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK, TILE_V=TILE_V,
                             CAUSAL_MASK=True, FAST_SIGMOID=FAST_SIGMOID, DOT_PRECISION=DOT_PRECISION,
@@ -71,7 +74,7 @@ def query_major_walk(acc, q, do, K, V, func, rule, h, seq, seq_start, L, m0, row
                                               row_ok=row_ok, L=L, NFUNC=NFUNC, MODE=MODE, HAS_TARGETS=HAS_TARGETS,
                                               INTERVALS_POW2=INTERVALS_POW2)
         kstart, klen, kcum = kv_ranges(hlo, hhi, BLOCK_N, INTERVALS_POW2)
-        for it in range(tl.sum(klen, axis=0)):
+        for it in range(SPLIT, tl.sum(klen, axis=0), N_SPLITS):
             n0 = kv_block_at(it, kstart, klen, kcum) * BLOCK_N
             x, y = BLOCK_FN(q=q, do=do, K=K, V=V, h=h, seq_start=seq_start, L=L, n0=n0, rows=rows,
                             alpha=alpha, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK, TILE_V=TILE_V,
