@@ -170,11 +170,13 @@ class OneRankModel(nn.Module):
         (None: all). Each micro-batch is one delta call per layer; groups never see each other, so the scores
         equal ``forward(..., max_seq_len=cache.max_seq_len)`` whatever the micro-batch size."""
         _check_eval(self)
-        history = cache.gather(users)
+        batches = serving.micro_batches(cand_offsets, micro_batch)
+        # Room after each history for a micro-batch's rows: the histories are laid out once per request.
+        history = cache.gather(users, room=self.group_size * max((max(mb.counts) for mb in batches), default=0))
         scores = self.head.bias.new_zeros(cand_items.shape[0], len(TASKS))
-        for mb in serving.micro_batches(cand_offsets, micro_batch):
+        for mb in batches:
             scores = scores.index_copy(0, mb.index, self.score_micro_batch(history, cand_items[mb.index],
-                                                                           mb.counts, cache.max_seq_len))
+                                                                           mb.counts_tensor, cache.max_seq_len))
         return scores
 
     def score_micro_batch(self, history: JaggedHistory, cand_items: torch.Tensor, counts: list[int] | torch.Tensor,

@@ -40,12 +40,17 @@ class UserHistory:
 @dataclass
 class JaggedHistory:
     """A request's histories, jagged: per layer ``k (T_h, H, Dqk)``, ``v (T_h, H, Dv)``; ``offsets (B + 1,)``
-    int64 on the data's device; ``lengths`` the same as host ints (the request plan reads them)."""
+    int64 on the data's device; ``lengths`` the same as host ints (the request plan reads them).
+
+    With ``room > 0`` every history is followed by ``room`` spare rows in ``k`` and ``v`` (``(T_h + B room, H,
+    D)``): user ``b``'s history starts at row ``offsets[b] + b room``. The delta stack writes each micro-batch's
+    new rows there, so no call copies the histories again (``stack_delta``)."""
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]
     offsets: torch.Tensor
     lengths: list[int]
+    room: int = 0
 
 
 class HistoryCache:
@@ -94,17 +99,26 @@ class HistoryCache:
         """Each user's stack output at its last history row (None where the history is empty)."""
         return [self._entry(u).last for u in users]
 
-    def gather(self, users: Sequence[Hashable]) -> JaggedHistory:
-        """The users' histories, jagged in the order given (one copy per layer)."""
+    def gather(self, users: Sequence[Hashable], room: int = 0) -> JaggedHistory:
+        """The users' histories, jagged in the order given (one copy per layer), each followed by ``room``
+        spare rows (``JaggedHistory``: candidate scoring writes its micro-batches there)."""
+        room = as_int("room", room, minimum=0)
         entries = [self._entry(u) for u in users]
         if not entries:
             raise bad_value("users", "at least one cached user", "an empty list")
         lengths = [e.length for e in entries]
         device = entries[0].k[0].device
         offsets = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0).to(device)
-        k = [torch.cat([e.k[layer] for e in entries]) for layer in range(self.num_layers)]
-        v = [torch.cat([e.v[layer] for e in entries]) for layer in range(self.num_layers)]
-        return JaggedHistory(k, v, offsets, lengths)
+
+        def laid_out(parts: list[torch.Tensor]) -> torch.Tensor:
+            if not room:
+                return torch.cat(parts)
+            spare = parts[0].new_zeros(room, *parts[0].shape[1:])
+            return torch.cat([x for part in parts for x in (part, spare)])
+
+        k = [laid_out([e.k[layer] for e in entries]) for layer in range(self.num_layers)]
+        v = [laid_out([e.v[layer] for e in entries]) for layer in range(self.num_layers)]
+        return JaggedHistory(k, v, offsets, lengths, room)
 
     def _entry(self, user: Hashable) -> UserHistory:
         if user not in self._users:

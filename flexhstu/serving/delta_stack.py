@@ -28,13 +28,18 @@ e.g. ``{"attn_func": masks.onerank(...)}`` or ``{"num_targets": nt}``; ``{}`` is
 class DeltaLayout(NamedTuple):
     """Where the new rows go: ``kv_offsets (B + 1,)`` jag ``[history | new rows]`` per user; ``hist_rows``
     ``(T_h,)`` and ``new_rows`` ``(T_n,)`` are their rows there; ``new_offsets (B + 1,)`` jag the new rows and
-    ``q_start (B,)`` (the history lengths) is the position of each user's first new row."""
+    ``q_start (B,)`` (the history lengths) is the position of each user's first new row. With room (the
+    history's spare rows, ``JaggedHistory``), ``slot_offsets (B + 1,)`` jag the slots ``[history | room]``,
+    ``slot_rows (T_n,)`` are the new rows' places there and ``kv_lengths (B,)`` the rows in use."""
 
     kv_offsets: torch.Tensor
     hist_rows: torch.Tensor
     new_rows: torch.Tensor
     new_offsets: torch.Tensor
     q_start: torch.Tensor
+    slot_offsets: torch.Tensor | None = None
+    slot_rows: torch.Tensor | None = None
+    kv_lengths: torch.Tensor | None = None
 
     @property
     def total_kv(self) -> int:
@@ -42,7 +47,7 @@ class DeltaLayout(NamedTuple):
 
 
 def delta_layout(hist_offsets: torch.Tensor, new_offsets: torch.Tensor, total_hist: int,
-                 total_new: int) -> DeltaLayout:
+                 total_new: int, room: int = 0) -> DeltaLayout:
     """Sync-free: the totals come from the tensors' shapes."""
     hist_offsets, new_offsets = hist_offsets.to(torch.int64), new_offsets.to(torch.int64)
     users = torch.arange(hist_offsets.numel() - 1, device=hist_offsets.device)
@@ -51,12 +56,27 @@ def delta_layout(hist_offsets: torch.Tensor, new_offsets: torch.Tensor, total_hi
     seq_n = torch.repeat_interleave(users, new_len, output_size=total_new)
     hist_rows = torch.arange(total_hist, device=users.device) + new_offsets[seq_h]
     new_rows = torch.arange(total_new, device=users.device) + hist_offsets[seq_n + 1]
-    return DeltaLayout(hist_offsets + new_offsets, hist_rows, new_rows, new_offsets, hist_len)
+    layout = DeltaLayout(hist_offsets + new_offsets, hist_rows, new_rows, new_offsets, hist_len)
+    if not room:
+        return layout
+    slots = torch.arange(users.numel() + 1, device=users.device) * room + hist_offsets
+    slot_rows = new_rows - new_offsets[seq_n] + slots[seq_n] - hist_offsets[seq_n]
+    return layout._replace(slot_offsets=slots, slot_rows=slot_rows, kv_lengths=hist_len + new_len)
 
 
 def _merge(hist: torch.Tensor, new: torch.Tensor, layout: DeltaLayout) -> torch.Tensor:
     out = new.new_empty(layout.total_kv, *new.shape[1:])
     return out.index_copy(0, layout.hist_rows, hist).index_copy(0, layout.new_rows, new)
+
+
+def _keys_and_values(hist_k, hist_v, k, v, layout: DeltaLayout) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """K, V of the whole sequences and the delta call's layout keywords: the history buffers with the new rows
+    written into their room (no copy of the history), or history and new rows merged into new tensors."""
+    if layout.slot_rows is None:
+        return _merge(hist_k, k, layout), _merge(hist_v, v, layout), dict(seq_offsets=layout.kv_offsets)
+    hist_k.index_copy_(0, layout.slot_rows, k)
+    hist_v.index_copy_(0, layout.slot_rows, v)
+    return hist_k, hist_v, dict(seq_offsets=layout.slot_offsets, kv_lengths=layout.kv_lengths)
 
 
 def layer_delta(layer: STULayer, x: torch.Tensor, hist_k: torch.Tensor, hist_v: torch.Tensor, layout: DeltaLayout,
@@ -66,9 +86,9 @@ def layer_delta(layer: STULayer, x: torch.Tensor, hist_k: torch.Tensor, hist_v: 
     h, da, dh = cfg.num_heads, cfg.attention_dim, cfg.hidden_dim
     u, v, q, k = torch.split(layer.uvqk(layer.norm(x)), [h * dh, h * dh, h * da, h * da], dim=-1)
     q, k, v = q.reshape(-1, h, da), k.reshape(-1, h, da), v.reshape(-1, h, dh)
-    a = delta_hstu_mha(max_seq_len, None, q, _merge(hist_k, k, layout), _merge(hist_v, v, layout), layout.kv_offsets,
-                       kernel=cfg.kernel, q_offsets=layout.new_offsets, q_start=layout.q_start,
-                       **mask_kwargs).reshape(-1, h * dh)
+    keys, values, where = _keys_and_values(hist_k, hist_v, k, v, layout)
+    a = delta_hstu_mha(max_seq_len, None, q, keys, values, kernel=cfg.kernel, q_offsets=layout.new_offsets,
+                       q_start=layout.q_start, **where, **mask_kwargs).reshape(-1, h * dh)
     su = F.silu(u)
     return x + layer.out(torch.cat([su, a, su * layer.attn_norm(a)], dim=-1)), k, v
 
@@ -82,7 +102,10 @@ def stack_delta(stack: STUStack, x: torch.Tensor, history: JaggedHistory, new_of
         raise bad_value("stack", "STU layers without a relative attention bias for cached serving (the delta path "
                         "has no bias yet; build the model with rel_bias=False)",
                         f"rel_bias on layer {biased[0]}")
-    layout = delta_layout(history.offsets, new_offsets, history.k[0].shape[0], x.shape[0])
+    if history.room:  # a row past a user's room would overwrite the next user's history
+        _check_room(new_offsets, history.room)
+    total_hist = history.k[0].shape[0] - history.room * (history.offsets.shape[0] - 1)
+    layout = delta_layout(history.offsets, new_offsets, total_hist, x.shape[0], history.room)
     mask_kwargs = {} if mask is None else dict(mask(layout.kv_offsets, layout.total_kv))
     if "attn_func" in mask_kwargs:  # one column per query row: the new rows' columns of the whole func
         mask_kwargs["attn_func"] = mask_kwargs["attn_func"][:, :, layout.new_rows]
@@ -142,3 +165,14 @@ def _check_users(users: Sequence[Hashable], offsets: torch.Tensor) -> None:
         raise bad_value("users", f"one user per sequence ({offsets.numel() - 1})", len(users))
     if len(set(users)) != len(users):
         raise bad_value("users", "distinct users", list(users))
+
+
+def _check_room(new_offsets: torch.Tensor, room: int) -> None:
+    new_len = new_offsets.to(torch.int64).diff()
+    if new_offsets.is_cuda:  # no sync: a device-side assertion
+        torch._assert_async((new_len <= room).all(), "new rows per user: expected at most the history's room")
+        return
+    if new_len.numel() and int(new_len.max()) > room:
+        b = int(torch.argmax(new_len))
+        raise bad_value(f"new rows of user {b}", f"at most the history's room of {room} rows (HistoryCache.gather)",
+                        int(new_len[b]))

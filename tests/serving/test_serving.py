@@ -109,6 +109,8 @@ def test_micro_batches_cover_every_candidate_once_in_chunks_of_at_most_the_size(
     offs = offsets_from([5, 0, 2, 7])
     plans = serving.micro_batches(offs, 3)
     assert [p.counts for p in plans] == [[3, 0, 2, 3], [2, 0, 0, 3], [0, 0, 0, 1]]
+    assert [p.counts_tensor.tolist() for p in plans] == [p.counts for p in plans]
+    assert plans[1].index.tolist() == [3, 4, 10, 11, 12]  # user 0: candidates 3, 4; user 3 (rows 7..13): 3..5
     assert sorted(torch.cat([p.index for p in plans]).tolist()) == list(range(14))
     assert [p.counts for p in serving.micro_batches(offs, None)] == [[5, 0, 2, 7]]
     with pytest.raises(ValueError, match=r"micro_batch: expected an int >= 1, got 0"):
@@ -173,3 +175,19 @@ def test_cached_serving_refuses_a_model_with_relative_attention_bias():
     with pytest.raises(ValueError, match=r"stack: expected STU layers without a relative attention bias .*"
                                          r"got rel_bias on layer 0"):
         model.cache_histories(HistoryCache(2, 24), [1], batch)
+
+
+def test_a_history_gathered_with_room_keeps_each_history_before_its_spare_rows_and_refuses_overflow():
+    torch.manual_seed(0)
+    model = OneRankModel(50, dim=16, layers=2, heads=2, max_len=40, kernel="pytorch").double().eval()
+    hist, times, hoffs, _, _ = ranking_request()
+    cache = HistoryCache(2, 32)
+    model.cache_histories(cache, ["a", "b", "c", "d"], hist, times, hoffs)
+    packed, roomy = cache.gather(["a", "b", "c", "d"]), cache.gather(["a", "b", "c", "d"], room=3)
+    assert roomy.room == 3 and roomy.k[0].shape[0] == sum(HIST) + 4 * 3
+    for b, (lo, n) in enumerate(zip(hoffs[:-1].tolist(), HIST)):
+        torch.testing.assert_close(roomy.k[1][lo + 3 * b:lo + 3 * b + n], packed.k[1][lo:lo + n], rtol=0, atol=0)
+    # 6 new rows per user, more than the room of 3: writing them would overwrite the next user's history.
+    x = torch.randn(24, 16, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"new rows of user 0: expected at most the history's room of 3 rows"):
+        serving.stack_delta(model.stack, x, roomy, offsets_from([6, 6, 6, 6]), max_seq_len=32)
