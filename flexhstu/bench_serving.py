@@ -9,7 +9,9 @@ weights: ``--layers`` STU layers of width ``--dim`` and ``--heads`` heads.
 * ``cached``: the users' histories are cached once (``cache_histories``), outside the timed region; a sample
   is one ``score_cached`` call: the request's histories gathered, then one delta attention call per layer and
   micro-batch of ``--micro-batch`` candidates per user (``all``: every candidate at once);
-* ``full``: a sample is the model's forward over history and candidates, what serving without a cache runs.
+* ``full``: a sample is the model's forward over history and candidates, what serving without a cache runs
+  (micro-batch ``-``: every candidate in one forward; ``m``: one forward per micro-batch of ``m`` candidates per
+  user, each recomputing the histories: what a server that cannot hold a request's candidates at once pays).
 
 A sample is one request, timed with CUDA events from an idle device (synchronised before each) after
 ``--warmup`` calls. Rows give the median and p99 (nearest rank) latency of ``--samples`` samples,
@@ -64,7 +66,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import Kernel, delta_hstu_mha, hstu_mha, masks
+from . import Kernel, delta_hstu_mha, hstu_mha, masks, serving
 from .cli.common import Parser, non_negative_int, positive_int
 from .jagged import offsets_from_lengths, row_coords
 from .models import OneRankModel
@@ -115,7 +117,7 @@ class Latency(NamedTuple):
 
 @dataclass
 class ScoringRow:
-    path: str  # "cached" or "full"
+    path: str  # "cached" or "full" (micro_batch None: one forward; m: one forward per micro-batch)
     hist: int
     cands: int  # per user
     layers: int
@@ -308,6 +310,15 @@ def _scoring_group(model: OneRankModel, grid: Grid, setup: Setup, *, hist: int, 
                                                            max_seq_len=max_seq_len), setup)
             _fill(full, lat, cands=users * cands)
         yield full
+        for micro_batch in (m for m in grid.micro_batch if m is not None and m < cands):
+            row = ScoringRow(path="full", hist=hist, cands=cands, layers=layers, users=users, micro_batch=micro_batch)
+            with reported(row, setup.device), torch.no_grad():
+                scores, lat = latencies(functools.partial(_full_per_micro_batch, model, histories, cand_items,
+                                                          cand_offsets, micro_batch, max_seq_len), setup)
+                _fill(row, lat, cands=users * cands)
+                if full_scores is not None:
+                    row.rel_diff = rel_diff(scores, full_scores)
+            yield row
         for micro_batch in grid.micro_batch:
             row = ScoringRow(path="cached", hist=hist, cands=cands, layers=layers, users=users,
                              micro_batch=micro_batch)
@@ -321,6 +332,18 @@ def _scoring_group(model: OneRankModel, grid: Grid, setup: Setup, *, hist: int, 
                     if full_scores is not None:
                         row.rel_diff = rel_diff(scores, full_scores)
             yield row
+
+
+def _full_per_micro_batch(model: OneRankModel, histories: Histories, cand_items: torch.Tensor,
+                          cand_offsets: torch.Tensor, micro_batch: int, max_seq_len: int) -> torch.Tensor:
+    """Scores with no cache, ``micro_batch`` candidates per user at a time: the histories run every time."""
+    scores = None
+    for mb in serving.micro_batches(cand_offsets, micro_batch):
+        offsets = torch.cat([mb.counts_tensor.new_zeros(1), mb.counts_tensor.cumsum(0)])
+        got = model(*histories, cand_items[mb.index], offsets, max_seq_len=max_seq_len)
+        scores = got.new_zeros(cand_items.shape[0], got.shape[1]) if scores is None else scores
+        scores.index_copy_(0, mb.index, got)
+    return scores
 
 
 def _fill(row: ScoringRow, lat: Latency, *, cands: int) -> None:
@@ -466,16 +489,20 @@ def _f(x: float | None, fmt: str) -> str:
 
 
 def scoring_table(rows: list[ScoringRow]) -> str:
-    full = {(r.hist, r.cands, r.layers, r.users): r.median_ms for r in rows if r.path == "full"}
+    """Speed-ups of every row against the full recompute in one forward, and of cached rows against the full
+    recompute at the same micro-batch size (``-`` where there is none)."""
+    full = {(r.hist, r.cands, r.layers, r.users, r.micro_batch): r.median_ms for r in rows if r.path == "full"}
     lines = ["| history | cands/user | layers | users | path | micro-batch | median ms | p99 ms | cands/s "
-             "| speed-up vs full | rel diff | status |", "|" + "---|" * 12]
+             "| speed-up vs full | vs full, same micro-batch | rel diff | status |", "|" + "---|" * 13]
     for r in rows:
-        base = full.get((r.hist, r.cands, r.layers, r.users))
+        key = (r.hist, r.cands, r.layers, r.users)
+        base, same = full.get((*key, None)), full.get((*key, r.micro_batch))
         speed = base / r.median_ms if base and r.median_ms else None
-        mb = "-" if r.path == "full" else ("all" if r.micro_batch is None else str(r.micro_batch))
+        speed_same = same / r.median_ms if r.path == "cached" and r.micro_batch and same and r.median_ms else None
+        mb = ("-" if r.path == "full" else "all") if r.micro_batch is None else str(r.micro_batch)
         lines.append(f"| {r.hist} | {r.cands} | {r.layers} | {r.users} | {r.path} | {mb} | {_f(r.median_ms, '.2f')} "
                      f"| {_f(r.p99_ms, '.2f')} | {_f(r.cands_per_s, ',.0f')} | {_f(speed, '.2f')} "
-                     f"| {_f(r.rel_diff, '.1e')} | {r.status} |")
+                     f"| {_f(speed_same, '.2f')} | {_f(r.rel_diff, '.1e')} | {r.status} |")
     return "\n".join(lines)
 
 

@@ -29,14 +29,15 @@ def test_every_configuration_gets_a_row_and_cached_scores_equal_the_full_recompu
     status, rows = run(TINY, tmp_path)
     assert status == 0
     scoring = [r for r in rows if r["part"] == "scoring"]
-    want = [(h, u, path, mb) for h in (5, 8) for u in (1, 2) for path, mb in (("full", None), ("cached", 2),
-                                                                              ("cached", None))]
+    # full at micro-batch 2: one forward per micro-batch, each recomputing the histories (3 candidates: 2 + 1)
+    want = [(h, u, path, mb) for h in (5, 8) for u in (1, 2) for path, mb in (("full", None), ("full", 2),
+                                                                              ("cached", 2), ("cached", None))]
     assert [(r["hist"], r["users"], r["path"], r["micro_batch"]) for r in scoring] == want
     for r in scoring:
         assert r["status"] == "ok" and r["samples"] == 2 and r["median_ms"] <= r["p99_ms"]
         assert r["cands_per_s"] == pytest.approx(r["users"] * 3 / (r["median_ms"] / 1e3))
-        if r["path"] == "cached":
-            assert r["rel_diff"] < 1e-5  # the same scores as the full recompute
+        if r["path"] == "cached" or r["micro_batch"]:
+            assert r["rel_diff"] < 1e-5  # the same scores as the full recompute in one forward
     out = capsys.readouterr().out
     assert "| history | cands/user | layers | users | path |" in out and "| kernel | pairs (M) |" in out
 
@@ -69,8 +70,8 @@ def test_out_of_memory_becomes_the_rows_status_and_the_run_goes_on(tmp_path, mon
     status, rows = run(TINY + ["--part", "scoring", "--hist", "5", "--users", "2"], tmp_path)
     assert status == 0
     assert [(r["path"], r["micro_batch"], r["status"]) for r in rows] == [
-        ("full", None, "ok"), ("cached", 2, "oom"), ("cached", None, "ok")]
-    assert rows[1]["median_ms"] is None
+        ("full", None, "ok"), ("full", 2, "ok"), ("cached", 2, "oom"), ("cached", None, "ok")]
+    assert rows[2]["median_ms"] is None
 
 
 def test_an_input_the_library_refuses_becomes_the_rows_status(tmp_path, monkeypatch):
@@ -78,7 +79,7 @@ def test_an_input_the_library_refuses_becomes_the_rows_status(tmp_path, monkeypa
     args = TINY + ["--backend", "triton", "--hist", "5", "--users", "1"]
     status, rows = run(args, tmp_path)
     assert status == 0
-    assert len(rows) == 3 + 2 * 3  # full, two cached; two micro-batch sizes of three kernels
+    assert len(rows) == 4 + 2 * 3  # full in one forward and per micro-batch, two cached; 2 sizes of 3 kernels
     for r in rows:
         assert r["status"].startswith("unsupported: q.device: expected CUDA for Kernel.TRITON"), r
     assert all(r["status"].endswith("(caching the histories)") for r in rows if r.get("path") == "cached")
