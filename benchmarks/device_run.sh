@@ -9,6 +9,7 @@
 #   stu      the STU model step (flexhstu/bench_stu.py --suite), step time and peak memory
 #   serving  cached delta scoring vs full recompute (flexhstu/bench_serving.py --quick)
 #   aoti     the micro-batch scorer compiled with AOTInductor vs eager (flexhstu/bench_serving.py --aoti --quick)
+#   serving-profile  host and device time of the scoring paths, bf16 vs float32 scores (benchmarks/profile_serving.py)
 #   seeds    the 5-seed model table (tools/run_seeds.sh; needs ml-100k.inter in .data/)
 #   profile  per-kernel device time and host time per call
 #   sweep    tile sweep
@@ -41,6 +42,7 @@ for s in $stages; do
     stu) run stu 220 python3 -m flexhstu.bench_stu --suite --dropout 0 --variants eager lean default \
            --json "$OUT/stu.json" ;;
     serving) run serving 200 python3 -m flexhstu.bench_serving --quick --json "$OUT/serving.json" ;;
+    serving-profile) run serving-profile 150 python3 benchmarks/profile_serving.py --out "$OUT/profile-serving" ;;
     aoti) run aoti 420 python3 -m flexhstu.bench_serving --aoti --quick --json "$OUT/aoti.json" ;;
     seeds) OMP_NUM_THREADS=1 run seeds "${SEEDS_LIMIT:-300}" bash tools/run_seeds.sh --data .data/ml-100k.inter \
              --root /tmp/seeds -j 14
