@@ -66,3 +66,16 @@ def test_compile_scorer_wants_a_pt2_package_path(tmp_path):
     with pytest.raises(ValueError, match=r"package_path: expected a file name ending in .pt2 \(AOTInductor's "
                                          r"package\), got .*scorer.so"):
         serving.compile_scorer(scorer, inputs(cache, ["a", "c"], [2, 2]), tmp_path / "scorer.so")
+
+
+def test_the_exported_program_carries_no_offset_assertions():
+    # AOTInductor runs the graph's kernels on generated inputs while it compiles for CUDA: the delta call's
+    # device-side offset assertions fired there (H200), so export leaves them out (torch.compile keeps them).
+    model, cache = cached_model()
+    scorer = serving.MicroBatchScorer(model, cache.max_seq_len)
+    program = serving.export_scorer(scorer, inputs(cache, ["a", "b", "c", "d"], [3, 2, 5, 1]))
+    nodes = [n for module in program.graph_module.modules() if isinstance(module, torch.fx.GraphModule)
+             for n in module.graph.nodes]  # the body sits in a submodule (no_grad)
+    messages = [str(n.args[1]) for n in nodes if "_assert_async" in str(n.target) and len(n.args) > 1]
+    assert any("max_seq_len" in m for m in messages), messages  # the walk sees assertions (the reference's)
+    assert not [m for m in messages if "seq_offsets" in m or "q_start" in m or "q_offsets" in m], messages
