@@ -8,7 +8,9 @@ weights: ``--layers`` STU layers of width ``--dim`` and ``--heads`` heads.
 
 * ``cached``: the users' histories are cached once (``cache_histories``), outside the timed region; a sample
   is one ``score_cached`` call: the request's histories gathered, then one delta attention call per layer and
-  micro-batch of ``--micro-batch`` candidates per user (``all``: every candidate at once);
+  micro-batch of ``--micro-batch`` candidates per user (``all``: every candidate at once), micro-batches of one
+  size replayed from a CUDA graph when there are three or more (the default); ``cached, eager``: the same
+  without CUDA graphs (on CUDA, micro-batched rows only);
 * ``full``: a sample is the model's forward over history and candidates, what serving without a cache runs
   (micro-batch ``-``: every candidate in one forward; ``m``: one forward per micro-batch of ``m`` candidates per
   user, each recomputing the histories: what a server that cannot hold a request's candidates at once pays).
@@ -117,7 +119,7 @@ class Latency(NamedTuple):
 
 @dataclass
 class ScoringRow:
-    path: str  # "cached" or "full" (micro_batch None: one forward; m: one forward per micro-batch)
+    path: str  # "cached", "cached, eager" or "full" (micro_batch None: one forward; m: one per micro-batch)
     hist: int
     cands: int  # per user
     layers: int
@@ -319,15 +321,20 @@ def _scoring_group(model: OneRankModel, grid: Grid, setup: Setup, *, hist: int, 
                 if full_scores is not None:
                     row.rel_diff = rel_diff(scores, full_scores)
             yield row
-        for micro_batch in grid.micro_batch:
-            row = ScoringRow(path="cached", hist=hist, cands=cands, layers=layers, users=users,
-                             micro_batch=micro_batch)
+        # On CUDA, micro-batched requests also run without CUDA graphs ("cached, eager"): what the graphs save.
+        both = ("cached, eager", "cached")
+        paths = [(m, p) for m in grid.micro_batch
+                 for p in (both if m is not None and setup.device.type == "cuda" else ("cached",))]
+        for micro_batch, path in paths:
+            row = ScoringRow(path=path, hist=hist, cands=cands, layers=layers, users=users, micro_batch=micro_batch)
             if caching.status != "ok":
                 row.status = f"{caching.status} (caching the histories)"
             else:
                 with reported(row, setup.device):
+                    graphs = False if path == "cached, eager" else None
                     scores, lat = latencies(functools.partial(model.score_cached, cache, names, cand_items,
-                                                              cand_offsets, micro_batch=micro_batch), setup)
+                                                              cand_offsets, micro_batch=micro_batch,
+                                                              cuda_graphs=graphs), setup)
                     _fill(row, lat, cands=users * cands)
                     if full_scores is not None:
                         row.rel_diff = rel_diff(scores, full_scores)
@@ -498,7 +505,8 @@ def scoring_table(rows: list[ScoringRow]) -> str:
         key = (r.hist, r.cands, r.layers, r.users)
         base, same = full.get((*key, None)), full.get((*key, r.micro_batch))
         speed = base / r.median_ms if base and r.median_ms else None
-        speed_same = same / r.median_ms if r.path == "cached" and r.micro_batch and same and r.median_ms else None
+        cached = r.path.startswith("cached")
+        speed_same = same / r.median_ms if cached and r.micro_batch and same and r.median_ms else None
         mb = ("-" if r.path == "full" else "all") if r.micro_batch is None else str(r.micro_batch)
         lines.append(f"| {r.hist} | {r.cands} | {r.layers} | {r.users} | {r.path} | {mb} | {_f(r.median_ms, '.2f')} "
                      f"| {_f(r.p99_ms, '.2f')} | {_f(r.cands_per_s, ',.0f')} | {_f(speed, '.2f')} "

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .. import masks, serving
+from .._errors import bad_value
 from ..nn import OneRankHead, OneRankTokenizer, STUStack
 from ..ops import Kernel
 from ..serving import HistoryCache, JaggedHistory
@@ -164,19 +165,30 @@ class OneRankModel(nn.Module):
 
     @torch.no_grad()
     def score_cached(self, cache: HistoryCache, users: Sequence[Hashable], cand_items: torch.Tensor,
-                     cand_offsets: torch.Tensor, micro_batch: int | None = None) -> torch.Tensor:
+                     cand_offsets: torch.Tensor, micro_batch: int | None = None,
+                     cuda_graphs: bool | None = None) -> torch.Tensor:
         """Scores ``(C, len(TASKS))`` of candidates ``cand_items (C,)`` (jagged by ``cand_offsets (B + 1,)``, one
         sequence per user) against the users' cached histories, ``micro_batch`` candidates per user at a time
         (None: all). Each micro-batch is one delta call per layer; groups never see each other, so the scores
-        equal ``forward(..., max_seq_len=cache.max_seq_len)`` whatever the micro-batch size."""
+        equal ``forward(..., max_seq_len=cache.max_seq_len)`` whatever the micro-batch size.
+
+        ``cuda_graphs``: replay a CUDA graph for micro-batches of a size already seen twice
+        (``serving.MicroBatchGraphs``: same kernels, same scores, a fraction of the host time); None: on CUDA
+        when the request has at least three micro-batches. True needs CUDA tensors."""
         _check_eval(self)
         batches = serving.micro_batches(cand_offsets, micro_batch)
+        if cuda_graphs and not cand_items.is_cuda:
+            raise bad_value("cuda_graphs", "False or None for candidates on the CPU (CUDA graphs need CUDA tensors)",
+                            f"True with cand_items on {cand_items.device}")
+        if cuda_graphs is None:
+            cuda_graphs = cand_items.is_cuda and len(batches) >= 3
         # Room after each history for a micro-batch's rows: the histories are laid out once per request.
         history = cache.gather(users, room=self.group_size * max((max(mb.counts) for mb in batches), default=0))
+        run = (serving.MicroBatchGraphs(self, history, cache.max_seq_len) if cuda_graphs else
+               lambda items, counts: self.score_micro_batch(history, items, counts, cache.max_seq_len))
         scores = self.head.bias.new_zeros(cand_items.shape[0], len(TASKS))
         for mb in batches:
-            scores = scores.index_copy(0, mb.index, self.score_micro_batch(history, cand_items[mb.index],
-                                                                           mb.counts_tensor, cache.max_seq_len))
+            scores = scores.index_copy(0, mb.index, run(cand_items[mb.index], mb.counts_tensor))
         return scores
 
     def score_micro_batch(self, history: JaggedHistory, cand_items: torch.Tensor, counts: list[int] | torch.Tensor,

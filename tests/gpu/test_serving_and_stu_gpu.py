@@ -107,3 +107,30 @@ def test_stu_stack_captured_in_a_cuda_graph_equals_eager(mask):
     errs = {"out": rel(out_g, out_e), "dx": rel(grads_g[0], grads_e[0]),
             "worst_param_grad": max(rel(a, b) for a, b in zip(grads_g[1:], grads_e[1:]))}
     check(f"STU stack in a CUDA graph vs eager, {mask}", errs, tol=1e-3)
+
+
+def test_cached_scoring_with_cuda_graphs_equals_eager_micro_batches():
+    # 300 candidates a user in micro-batches of 64: 64 (eager), 64 (captured), 64, 64 (replays), 44 (eager).
+    from flexhstu.models import OneRankModel
+    from flexhstu.serving import HistoryCache
+
+    torch.manual_seed(0)
+    model = OneRankModel(1000, dim=128, layers=2, heads=2, max_len=2048, dropout=0.0, kernel="triton")
+    model = model.to("cuda", torch.bfloat16).eval()
+    hist_lengths, cands = [1000, 17, 640], 300
+    hoffs = offsets(hist_lengths)
+    hist = torch.randint(1, 1001, (sum(hist_lengths),), device="cuda")
+    times = torch.arange(sum(hist_lengths), device="cuda") * 60
+    items = torch.randint(1, 1001, (3 * cands,), device="cuda")
+    coffs = offsets([cands] * 3)
+    cache = HistoryCache(2, max_seq_len=1000 + 4 * cands)
+    users = ["a", "b", "c"]
+    model.cache_histories(cache, users, hist, times, hoffs)
+    eager = model.score_cached(cache, users, items, coffs, micro_batch=64, cuda_graphs=False)
+    graphed = model.score_cached(cache, users, items, coffs, micro_batch=64, cuda_graphs=True)
+    again = model.score_cached(cache, users, items, coffs, micro_batch=64)  # None: graphs (5 micro-batches)
+    with torch.no_grad():
+        full = model(hist, times, hoffs, items, coffs, max_seq_len=1000 + 4 * cands)
+    check("cached scoring, CUDA graphs", {"graphs_vs_eager": rel(graphed, eager), "auto_vs_eager": rel(again, eager)},
+          tol=1e-3)
+    check("cached scoring vs full recompute", {"scores": rel(eager, full)}, tol=3e-2)

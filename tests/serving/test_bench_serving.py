@@ -61,10 +61,10 @@ def test_kernel_rows_count_the_visible_pairs_exactly(tmp_path):
 def test_out_of_memory_becomes_the_rows_status_and_the_run_goes_on(tmp_path, monkeypatch):
     real = bench_serving.OneRankModel.score_cached
 
-    def short_of_memory(self, cache, users, cand_items, cand_offsets, micro_batch=None):
+    def short_of_memory(self, cache, users, cand_items, cand_offsets, micro_batch=None, cuda_graphs=None):
         if micro_batch == 2:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return real(self, cache, users, cand_items, cand_offsets, micro_batch=micro_batch)
+        return real(self, cache, users, cand_items, cand_offsets, micro_batch=micro_batch, cuda_graphs=cuda_graphs)
 
     monkeypatch.setattr(bench_serving.OneRankModel, "score_cached", short_of_memory)
     status, rows = run(TINY + ["--part", "scoring", "--hist", "5", "--users", "2"], tmp_path)

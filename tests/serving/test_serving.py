@@ -191,3 +191,15 @@ def test_a_history_gathered_with_room_keeps_each_history_before_its_spare_rows_a
     x = torch.randn(24, 16, dtype=torch.float64)
     with pytest.raises(ValueError, match=r"new rows of user 0: expected at most the history's room of 3 rows"):
         serving.stack_delta(model.stack, x, roomy, offsets_from([6, 6, 6, 6]), max_seq_len=32)
+
+
+def test_cuda_graphs_for_candidates_on_the_cpu_are_refused_by_name():
+    model = OneRankModel(50, dim=16, layers=1, heads=2, max_len=40, kernel="pytorch").double().eval()
+    hist, times, hoffs, cands, coffs = ranking_request()
+    cache = HistoryCache(1, 32)
+    model.cache_histories(cache, ["a", "b", "c", "d"], hist, times, hoffs)
+    with pytest.raises(ValueError, match=r"cuda_graphs: expected False or None for candidates on the CPU .*got True"):
+        model.score_cached(cache, ["a", "b", "c", "d"], cands, coffs, micro_batch=1, cuda_graphs=True)
+    auto = model.score_cached(cache, ["a", "b", "c", "d"], cands, coffs, micro_batch=1)  # None: eager on the CPU
+    with torch.no_grad():
+        torch.testing.assert_close(auto, model(hist, times, hoffs, cands, coffs, max_seq_len=32))
