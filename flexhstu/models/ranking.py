@@ -174,14 +174,16 @@ class OneRankModel(nn.Module):
 
         ``cuda_graphs``: replay a CUDA graph for micro-batches of a size already seen twice
         (``serving.MicroBatchGraphs``: same kernels, same scores, a fraction of the host time); None: on CUDA
-        when the request has at least three micro-batches. True needs CUDA tensors."""
+        when the request has at least three micro-batches of at most ``serving.GRAPH_MAX_ROWS`` new rows (small,
+        host-bound micro-batches). True needs CUDA tensors."""
         _check_eval(self)
         batches = serving.micro_batches(cand_offsets, micro_batch)
         if cuda_graphs and not cand_items.is_cuda:
             raise bad_value("cuda_graphs", "False or None for candidates on the CPU (CUDA graphs need CUDA tensors)",
                             f"True with cand_items on {cand_items.device}")
         if cuda_graphs is None:
-            cuda_graphs = cand_items.is_cuda and len(batches) >= 3
+            widest = self.group_size * max((sum(mb.counts) for mb in batches), default=0)
+            cuda_graphs = cand_items.is_cuda and len(batches) >= 3 and widest <= serving.GRAPH_MAX_ROWS
         # Room after each history for a micro-batch's rows: the histories are laid out once per request.
         history = cache.gather(users, room=self.group_size * max((max(mb.counts) for mb in batches), default=0))
         run = (serving.MicroBatchGraphs(self, history, cache.max_seq_len) if cuda_graphs else

@@ -18,6 +18,12 @@ from torch import nn
 
 from .cache import JaggedHistory
 
+GRAPH_MAX_ROWS = 4096
+"""``score_cached`` replays graphs by default for micro-batches of at most this many new rows (candidates times
+the group size, all users): below it a micro-batch is host-bound. H200, 4 layers of 512, history 16384, 2048
+candidates in micro-batches of 256: one user (1024 rows) 28.6 -> 14.3 ms a request with graphs; eight users (8192
+rows, device-bound) 29.4 -> 35.8 ms, the capture's host time no longer hidden (``benchmarks/RESULTS.md``)."""
+
 
 class MicroBatchGraphs:
     """``model.score_micro_batch`` against ``history`` (on CUDA), one graph per micro-batch size; call it as

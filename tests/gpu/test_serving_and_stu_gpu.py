@@ -128,7 +128,7 @@ def test_cached_scoring_with_cuda_graphs_equals_eager_micro_batches():
     model.cache_histories(cache, users, hist, times, hoffs)
     eager = model.score_cached(cache, users, items, coffs, micro_batch=64, cuda_graphs=False)
     graphed = model.score_cached(cache, users, items, coffs, micro_batch=64, cuda_graphs=True)
-    again = model.score_cached(cache, users, items, coffs, micro_batch=64)  # None: graphs (5 micro-batches)
+    again = model.score_cached(cache, users, items, coffs, micro_batch=64)  # None: graphs (5 of <= 768 rows)
     with torch.no_grad():
         full = model(hist, times, hoffs, items, coffs, max_seq_len=1000 + 4 * cands)
     check("cached scoring, CUDA graphs", {"graphs_vs_eager": rel(graphed, eager), "auto_vs_eager": rel(again, eager)},
