@@ -16,8 +16,10 @@ from torch import nn
 
 from .. import masks, serving
 from .._errors import bad_value
+from ..masks.rules import FixedRule
 from ..nn import OneRankHead, OneRankTokenizer, STUStack
 from ..ops import Kernel
+from ..ops.capability import triton_unsupported_reason
 from ..serving import HistoryCache, JaggedHistory
 from .retrieval import item_encoder, stu_config
 
@@ -181,17 +183,37 @@ class OneRankModel(nn.Module):
         if cuda_graphs and not cand_items.is_cuda:
             raise bad_value("cuda_graphs", "False or None for candidates on the CPU (CUDA graphs need CUDA tensors)",
                             f"True with cand_items on {cand_items.device}")
+        if cuda_graphs:
+            reason = self._no_graph_reason(cand_items.device)
+            if reason:
+                raise bad_value("cuda_graphs", "False or None here (a captured micro-batch must run the Triton "
+                                "kernels: the PyTorch reference reads sizes on the host)", f"True, but {reason}")
         if cuda_graphs is None:
             widest = self.group_size * max((sum(mb.counts) for mb in batches), default=0)
-            cuda_graphs = cand_items.is_cuda and len(batches) >= 3 and widest <= serving.GRAPH_MAX_ROWS
+            cuda_graphs = (cand_items.is_cuda and len(batches) >= 3 and widest <= serving.GRAPH_MAX_ROWS
+                           and self._no_graph_reason(cand_items.device) is None)
         # Room after each history for a micro-batch's rows: the histories are laid out once per request.
         history = cache.gather(users, room=self.group_size * max((max(mb.counts) for mb in batches), default=0))
-        run = (serving.MicroBatchGraphs(self, history, cache.max_seq_len) if cuda_graphs else
-               lambda items, counts: self.score_micro_batch(history, items, counts, cache.max_seq_len))
+        graphs = serving.MicroBatchGraphs(self, history, cache.max_seq_len) if cuda_graphs else None
         scores = self.head.bias.new_zeros(cand_items.shape[0], len(TASKS))
         for mb in batches:
-            scores = scores.index_copy(0, mb.index, run(cand_items[mb.index], mb.counts_tensor))
+            items = cand_items[mb.index]
+            out = (graphs(items, mb.counts_tensor, mb.counts) if graphs else
+                   self.score_micro_batch(history, items, mb.counts_tensor, cache.max_seq_len))
+            scores = scores.index_copy(0, mb.index, out)
         return scores
+
+    def _no_graph_reason(self, device: torch.device) -> str | None:
+        """Why the delta calls of this model on ``device`` would not run the Triton kernels (which capture in a
+        CUDA graph; the reference syncs), or None."""
+        cfg = self.stack.layers[0].cfg
+        kernel = Kernel(cfg.kernel)
+        if kernel not in (Kernel.AUTO, Kernel.TRITON):
+            return f"the STU layers use {kernel}"
+        dtype = self.head.bias.dtype
+        q = torch.empty(0, cfg.num_heads, cfg.attention_dim, device=device, dtype=dtype)
+        v = torch.empty(0, cfg.num_heads, cfg.hidden_dim, device=device, dtype=dtype)
+        return triton_unsupported_reason(q, v, FixedRule(), 0.0)
 
     def score_micro_batch(self, history: JaggedHistory, cand_items: torch.Tensor, counts: list[int] | torch.Tensor,
                           max_seq_len: int) -> torch.Tensor:

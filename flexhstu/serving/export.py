@@ -54,6 +54,9 @@ class ScorerInputs(NamedTuple):
     @classmethod
     def of(cls, history: JaggedHistory, cand_items: torch.Tensor, counts: torch.Tensor) -> ScorerInputs:
         """The inputs for ``cand_items (c,)`` (``counts (B,)`` per user) against a gathered ``history``."""
+        if history.room:
+            raise bad_value("history", "a history gathered without room (cache.gather(users)): the scorer reads "
+                            "every row of k and v as history", f"room={history.room}")
         return cls(tuple(history.k), tuple(history.v), history.offsets, cand_items, counts)
 
 

@@ -13,9 +13,12 @@ replay it with their candidates copied into the graph's inputs.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
+from .._errors import bad_value
 from .cache import JaggedHistory
 
 GRAPH_MAX_ROWS = 4096
@@ -26,16 +29,25 @@ rows, device-bound) 29.4 -> 35.8 ms, the capture's host time no longer hidden (`
 
 
 class MicroBatchGraphs:
-    """``model.score_micro_batch`` against ``history`` (on CUDA), one graph per micro-batch size; call it as
-    ``graphs(cand_items (c,), counts (B,))`` (``counts``: int64 on the device). Scores are the graph's output
-    buffer: copy them before the next call of the same size."""
+    """``model.score_micro_batch`` against ``history`` (on CUDA, gathered with room), one graph per micro-batch
+    size; call it as ``graphs(cand_items (c,), counts (B,), host_counts)`` (``counts``: int64 on the device, the
+    same as ``host_counts``). Scores are the graph's output buffer: copy them before the next call of the same
+    size. Within a request two micro-batches of one total size have the same per-user counts (``micro_batches``
+    takes them in order), and the captured kernels read the counts from the device anyway."""
 
     def __init__(self, model: nn.Module, history: JaggedHistory, max_seq_len: int):
         self.model, self.history, self.max_seq_len = model, history, max_seq_len
         self._seen: set[int] = set()
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
-    def __call__(self, cand_items: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def __call__(self, cand_items: torch.Tensor, counts: torch.Tensor, host_counts: Sequence[int]) -> torch.Tensor:
+        """``host_counts``: ``counts`` as host ints, checked against the history's room here (a graph replay
+        checks nothing: rows past a user's room would overwrite the next user's history)."""
+        rows = self.model.group_size * max(host_counts, default=0)
+        if rows > self.history.room:
+            raise bad_value("host_counts", f"at most {self.history.room // self.model.group_size} candidates per "
+                            f"user (the history's room of {self.history.room} rows, HistoryCache.gather)",
+                            list(host_counts))
         size = cand_items.shape[0]
         if size in self._graphs:
             graph, items, static_counts, out = self._graphs[size]

@@ -203,3 +203,30 @@ def test_cuda_graphs_for_candidates_on_the_cpu_are_refused_by_name():
     auto = model.score_cached(cache, ["a", "b", "c", "d"], cands, coffs, micro_batch=1)  # None: eager on the CPU
     with torch.no_grad():
         torch.testing.assert_close(auto, model(hist, times, hoffs, cands, coffs, max_seq_len=32))
+
+
+def test_graph_replays_check_the_room_and_models_without_triton_get_no_graphs(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the Triton kernels run CPU tensors (the CI's setting)
+    model = OneRankModel(50, dim=16, layers=1, heads=2, max_len=40, kernel="pytorch").double().eval()
+    hist, times, hoffs, _, _ = ranking_request()
+    cache = HistoryCache(1, 32)
+    model.cache_histories(cache, ["a", "b", "c", "d"], hist, times, hoffs)
+    graphs = serving.MicroBatchGraphs(model, cache.gather(["a", "b"], room=2 * model.group_size), 32)
+    # A replay checks nothing on the device: 3 candidates for a room of 2 would overwrite the next history.
+    with pytest.raises(ValueError, match=r"host_counts: expected at most 2 candidates per user .*got \[3, 1\]"):
+        graphs(torch.arange(1, 5), torch.tensor([3, 1]), [3, 1])
+    # The reference kernel syncs (sizes read on the host): it cannot be captured.
+    assert model._no_graph_reason(torch.device("cpu")) == "the STU layers use Kernel.PYTORCH"
+    for layer in model.stack.layers:
+        layer.cfg.kernel = "triton"  # the layers share one config
+    assert "q.dtype: expected float16, bfloat16 or float32" in model._no_graph_reason(torch.device("cpu"))
+    assert model.float()._no_graph_reason(torch.device("cpu")) is None  # CPU tensors run under the interpreter
+
+
+def test_scorer_inputs_refuse_a_history_gathered_with_room():
+    model = OneRankModel(50, dim=16, layers=1, heads=2, max_len=40, kernel="pytorch").double().eval()
+    hist, times, hoffs, _, _ = ranking_request()
+    cache = HistoryCache(1, 32)
+    model.cache_histories(cache, ["a", "b", "c", "d"], hist, times, hoffs)
+    with pytest.raises(ValueError, match=r"history: expected a history gathered without room .*got room=4"):
+        serving.ScorerInputs.of(cache.gather(["a"], room=4), torch.tensor([1]), torch.tensor([1]))
