@@ -109,7 +109,7 @@ def delta_hstu_mha(
         q_offsets, q_start = last_rows_offsets(seq_offsets, delta_q.shape[0] // max(batch, 1))
     _check_query_layout(q_offsets, q_start, batch)
     if kv_lengths is not None:
-        _check_kv_lengths_meta(kv_lengths, batch)
+        _check_per_sequence(kv_lengths, "kv_lengths", batch, "rows used in each slot")
     _check_same_device(delta_q, k=k, v=v, seq_offsets=seq_offsets, q_offsets=q_offsets, q_start=q_start,
                        num_targets=num_targets, attn_func=attn_func, kv_lengths=kv_lengths)
     max_seq_len = as_int("max_seq_len", max_seq_len)
@@ -147,14 +147,14 @@ def _packed_rows(seq_offsets: torch.Tensor, kv_lengths: torch.Tensor) -> tuple[t
     return packed, rows
 
 
-def _check_kv_lengths_meta(kv_lengths, batch: int) -> None:
-    if not isinstance(kv_lengths, torch.Tensor):
-        raise bad_type("kv_lengths", f"a ({batch},) integer tensor or None", type(kv_lengths).__name__)
-    if kv_lengths.dtype.is_floating_point or kv_lengths.dtype.is_complex or kv_lengths.dtype == torch.bool:
-        raise bad_type("kv_lengths", "an integer tensor (rows used in each slot)", kv_lengths.dtype)
-    if kv_lengths.dim() != 1 or kv_lengths.numel() != batch:
-        raise bad_value("kv_lengths", f"a ({batch},) tensor", f"shape {tuple(kv_lengths.shape)}")
-
+def _check_per_sequence(x, name: str, batch: int, what: str) -> None:
+    """``x``: a ``(batch,)`` integer tensor (``what`` it holds, for the message)."""
+    if not isinstance(x, torch.Tensor):
+        raise bad_type(name, f"a ({batch},) integer tensor", type(x).__name__)
+    if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+        raise bad_type(name, f"an integer tensor ({what})", x.dtype)
+    if x.dim() != 1 or x.numel() != batch:
+        raise bad_value(name, f"a ({batch},) tensor", f"shape {tuple(x.shape)}")
 
 
 def _check_forward_only(*xs: torch.Tensor) -> None:
@@ -171,12 +171,7 @@ def _check_query_layout(q_offsets: torch.Tensor, q_start: torch.Tensor, batch: i
     if q_offsets.numel() != batch + 1:
         raise bad_value("q_offsets", f"B + 1 = {batch + 1} offsets (one sequence per seq_offsets entry)",
                         f"shape {tuple(q_offsets.shape)}")
-    if not isinstance(q_start, torch.Tensor):
-        raise bad_type("q_start", f"a ({batch},) integer tensor", type(q_start).__name__)
-    if q_start.dtype.is_floating_point or q_start.dtype.is_complex or q_start.dtype == torch.bool:
-        raise bad_type("q_start", "an integer tensor (local positions)", q_start.dtype)
-    if q_start.dim() != 1 or q_start.numel() != batch:
-        raise bad_value("q_start", f"a ({batch},) tensor", f"shape {tuple(q_start.shape)}")
+    _check_per_sequence(q_start, "q_start", batch, "local positions")
 
 
 def _check_values_on_host(seq_offsets, q_offsets, q_start, total_kv: int, total_q: int, max_seq_len: int,

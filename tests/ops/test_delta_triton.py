@@ -39,14 +39,18 @@ RULES = {"causal": {}, "fixed": dict(num_targets=TARGETS, max_attn_len=5, contex
                                      min_full_attn_seq_len=3)}
 
 
+def mask_keywords(name, offs, rows):
+    """(keywords of the full call, keywords of the delta call): the func's query-row columns for the delta."""
+    if name in RULES:
+        return RULES[name], RULES[name]
+    func = funcs(offs)[name]
+    return dict(attn_func=func), dict(attn_func=func[:, :, rows])
+
+
 @pytest.mark.parametrize("name", ["causal", "fixed", "onerank", "sla", "random-per-head"])
 def test_triton_delta_rows_equal_the_rows_of_a_full_reference_call(name):
     q, k, v, offs, rows, q_offsets, q_start = batch()
-    if name in RULES:
-        full_kw = delta_kw = RULES[name]
-    else:
-        func = funcs(offs)[name]
-        full_kw, delta_kw = dict(attn_func=func), dict(attn_func=func[:, :, rows])
+    full_kw, delta_kw = mask_keywords(name, offs, rows)
     full = flexhstu.hstu_mha(80, 0.3, q, k, v, offs, kernel=Kernel.PYTORCH, **full_kw)
     got = flexhstu.delta_hstu_mha(80, 0.3, q[rows], k, v, offs, q_offsets=q_offsets, q_start=q_start,
                                   kernel=Kernel.TRITON, **delta_kw)
@@ -89,11 +93,7 @@ def test_key_blocks_split_across_programs_add_up_to_the_full_call(name, splits):
     # A split walks every splits-th key block of its query block; the float32 partial sums are added on the host.
     # 16 splits is more than any sequence's key blocks: most splits see nothing and must write zeros.
     q, k, v, offs, rows, q_offsets, q_start = batch()
-    if name in RULES:
-        full_kw = delta_kw = RULES[name]
-    else:
-        func = funcs(offs)[name]
-        full_kw, delta_kw = dict(attn_func=func), dict(attn_func=func[:, :, rows])
+    full_kw, delta_kw = mask_keywords(name, offs, rows)
     full = flexhstu.hstu_mha(80, 0.3, q, k, v, offs, kernel=Kernel.PYTORCH, **full_kw)
     with forced_key_splits(splits):
         got = flexhstu.delta_hstu_mha(80, 0.3, q[rows], k, v, offs, q_offsets=q_offsets, q_start=q_start,
@@ -127,11 +127,7 @@ def test_kv_lengths_read_only_the_used_rows_of_each_slot(name, kernel):
     # Spare rows hold NaN: a kernel that read one would return NaN.
     q, k, v, offs, rows, q_offsets, q_start = batch()
     ks, vs, slot_offs, lengths = slotted(k, v, offs, room=[5, 3, 0, 17])
-    if name in RULES:
-        full_kw = delta_kw = RULES[name]
-    else:
-        func = funcs(offs)[name]
-        full_kw, delta_kw = dict(attn_func=func), dict(attn_func=func[:, :, rows])
+    full_kw, delta_kw = mask_keywords(name, offs, rows)
     full = flexhstu.hstu_mha(80, 0.3, q, k, v, offs, kernel=Kernel.PYTORCH, **full_kw)
     with forced_key_splits(2):
         got = flexhstu.delta_hstu_mha(80, 0.3, q[rows], ks, vs, slot_offs, q_offsets=q_offsets, q_start=q_start,

@@ -22,6 +22,15 @@ def ranking_request(seed=0):
     return hist, times, offsets_from(HIST), cands, offsets_from(CANDS)
 
 
+def cached_ranking_model(layers=1):
+    """A float64 OneRank model (reference kernel) with the request's four histories cached (max_seq_len 32)."""
+    model = OneRankModel(50, dim=16, layers=layers, heads=2, max_len=40, kernel="pytorch").double().eval()
+    hist, times, hoffs, _, _ = ranking_request()
+    cache = HistoryCache(layers, 32)
+    model.cache_histories(cache, ["a", "b", "c", "d"], hist, times, hoffs)
+    return model, cache
+
+
 @pytest.mark.parametrize("task_tokens", [True, False])
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
 def test_cached_scores_equal_full_recompute_for_every_micro_batch_size(task_tokens, dtype, tol):
@@ -179,10 +188,8 @@ def test_cached_serving_refuses_a_model_with_relative_attention_bias():
 
 def test_a_history_gathered_with_room_keeps_each_history_before_its_spare_rows_and_refuses_overflow():
     torch.manual_seed(0)
-    model = OneRankModel(50, dim=16, layers=2, heads=2, max_len=40, kernel="pytorch").double().eval()
-    hist, times, hoffs, _, _ = ranking_request()
-    cache = HistoryCache(2, 32)
-    model.cache_histories(cache, ["a", "b", "c", "d"], hist, times, hoffs)
+    model, cache = cached_ranking_model(layers=2)
+    hoffs = ranking_request()[2]
     packed, roomy = cache.gather(["a", "b", "c", "d"]), cache.gather(["a", "b", "c", "d"], room=3)
     assert roomy.room == 3 and roomy.k[0].shape[0] == sum(HIST) + 4 * 3
     for b, (lo, n) in enumerate(zip(hoffs[:-1].tolist(), HIST)):
@@ -194,10 +201,8 @@ def test_a_history_gathered_with_room_keeps_each_history_before_its_spare_rows_a
 
 
 def test_cuda_graphs_for_candidates_on_the_cpu_are_refused_by_name():
-    model = OneRankModel(50, dim=16, layers=1, heads=2, max_len=40, kernel="pytorch").double().eval()
+    model, cache = cached_ranking_model()
     hist, times, hoffs, cands, coffs = ranking_request()
-    cache = HistoryCache(1, 32)
-    model.cache_histories(cache, ["a", "b", "c", "d"], hist, times, hoffs)
     with pytest.raises(ValueError, match=r"cuda_graphs: expected False or None for candidates on the CPU .*got True"):
         model.score_cached(cache, ["a", "b", "c", "d"], cands, coffs, micro_batch=1, cuda_graphs=True)
     auto = model.score_cached(cache, ["a", "b", "c", "d"], cands, coffs, micro_batch=1)  # None: eager on the CPU
@@ -207,10 +212,7 @@ def test_cuda_graphs_for_candidates_on_the_cpu_are_refused_by_name():
 
 def test_graph_replays_check_the_room_and_models_without_triton_get_no_graphs(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the Triton kernels run CPU tensors (the CI's setting)
-    model = OneRankModel(50, dim=16, layers=1, heads=2, max_len=40, kernel="pytorch").double().eval()
-    hist, times, hoffs, _, _ = ranking_request()
-    cache = HistoryCache(1, 32)
-    model.cache_histories(cache, ["a", "b", "c", "d"], hist, times, hoffs)
+    model, cache = cached_ranking_model()
     graphs = serving.MicroBatchGraphs(model, cache.gather(["a", "b"], room=2 * model.group_size), 32)
     # A replay checks nothing on the device: 3 candidates for a room of 2 would overwrite the next history.
     with pytest.raises(ValueError, match=r"host_counts: expected at most 2 candidates per user .*got \[3, 1\]"):
@@ -224,9 +226,6 @@ def test_graph_replays_check_the_room_and_models_without_triton_get_no_graphs(mo
 
 
 def test_scorer_inputs_refuse_a_history_gathered_with_room():
-    model = OneRankModel(50, dim=16, layers=1, heads=2, max_len=40, kernel="pytorch").double().eval()
-    hist, times, hoffs, _, _ = ranking_request()
-    cache = HistoryCache(1, 32)
-    model.cache_histories(cache, ["a", "b", "c", "d"], hist, times, hoffs)
+    _, cache = cached_ranking_model()
     with pytest.raises(ValueError, match=r"history: expected a history gathered without room .*got room=4"):
         serving.ScorerInputs.of(cache.gather(["a"], room=4), torch.tensor([1]), torch.tensor([1]))
