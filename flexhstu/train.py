@@ -502,7 +502,12 @@ def resume(a: argparse.Namespace, d: Splits, out: Path, model: torch.nn.Module, 
     if saved["epochs"] != a.epochs:
         notes.append(f"--epochs {a.epochs} replaces the checkpoint's {saved['epochs']} ({state['epoch']} done)")
     if rank == 0:
-        print(f"flexhstu train: resuming at epoch {state['epoch'] + 1} of {a.epochs} from {ckpt}", file=sys.stderr)
+        if state["epoch"] >= a.epochs:  # nothing left to train: the outputs are written again from the checkpoint
+            print(f"flexhstu train: all {a.epochs} epochs are done in {ckpt} ({state['epoch']} trained); "
+                  "writing the run's outputs again (--epochs N for more)", file=sys.stderr)
+        else:
+            print(f"flexhstu train: resuming at epoch {state['epoch'] + 1} of {a.epochs} from {ckpt}",
+                  file=sys.stderr)
         for note in notes:
             print(f"flexhstu train: resuming: {note}", file=sys.stderr)
     return Progress(state["history"], state["epoch"], state["best"])

@@ -38,6 +38,14 @@ def test_resume_without_out_continues_the_latest_run(tmp_path, monkeypatch, caps
     assert [p.name for p in (tmp_path / "runs").iterdir() if not p.is_symlink()] == [run.name]
 
 
+def test_resuming_a_finished_run_says_nothing_is_left_to_train(tmp_path, capsys):
+    train.main(TINY + ["--epochs", "1", "--quiet", "--out", str(tmp_path)])
+    train.main(TINY + ["--epochs", "1", "--quiet", "--out", str(tmp_path), "--resume"])
+    err = capsys.readouterr().err
+    assert f"flexhstu train: all 1 epochs are done in {tmp_path / 'checkpoint.pt'} (1 trained)" in err
+    assert "resuming at epoch" not in err
+
+
 def test_a_folder_that_holds_a_run_is_refused_without_resume(tmp_path):
     train.main(["--model", "popularity", "--data", "synthetic", "--device", "cpu", "--quiet", "--out", str(tmp_path)])
     with pytest.raises(UserError, match=rf"--out: expected a folder without a run, got {tmp_path} holding "
