@@ -9,6 +9,7 @@ float32 and float16 only: the interpreter computes bf16 dots wrongly (tests/gpu 
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 
@@ -165,23 +166,34 @@ def test_sequences_longer_than_a_time_chunk():
     check_against_reference([300], "sla", per_head=False, positions=400, num_buckets=60, times="unsorted")
 
 
-def test_the_kernel_bias_equals_the_dense_reference_bias():
+@pytest.mark.parametrize("times", ["edges", "wide"])
+def test_the_kernel_bias_equals_the_dense_reference_bias(times):
     """The bias the kernels add, read back through a test kernel, against dense_relative_bias, both tile
-    orientations, on tiles that cross the chunks and every relative position and bucket edge."""
-    lengths = [300, 7, 0, 40]
+    orientations, on tiles that cross the chunks and every relative position and bucket edge (``edges``), or
+    with a sequence whose chunks span more than int32 (``wide``): with and without the int64 path compiled in
+    (the kernels compile it in only for sequences with a wide chunk, ``Bias.seq_wide``)."""
+    # Wide times in no order: every tile walks most of the 128 buckets, slow in the interpreter; a shorter first
+    # sequence (the edges case crosses the chunks).
+    lengths = [300 if times == "edges" else 50, 7, 0, 40]
     offs = offsets_from(lengths).to(DEVICE)
     total, n = sum(lengths), max(lengths)
     g = torch.Generator().manual_seed(1)
     pos_w = torch.randn(HEADS, 2 * 9 - 1, generator=g).to(DEVICE)  # P = 9: most pairs clamp
-    ts_w = torch.randn(HEADS, 61, generator=g).to(DEVICE)
-    rel = RelativeBias(pos_w, ts_w, make_times(lengths, "edges", num_buckets=60).to(DEVICE))
+    buckets = 128 if times == "wide" else 60  # 128: gaps past 2^31 have buckets of their own
+    ts_w = torch.randn(HEADS, buckets + 1, generator=g).to(DEVICE)
+    rel = RelativeBias(pos_w, ts_w, make_times(lengths, times, num_buckets=buckets).to(DEVICE))
     want = dense_relative_bias(rel, offs, n)  # (B, H, n, n)
     prep = kbias.prepare(rel, offs.to(torch.int64).contiguous(), total, with_grads=False)
-    for trans in (False, True):
+    wide = prep.args.seq_wide.tolist()
+    assert wide == ([1, 0, 0, 0] if times == "wide" else [0, 0, 0, 0])
+    # The narrow sequences of the wide case also run with the int64 path compiled in (its int32 branch).
+    for trans, with_wide in itertools.product((False, True), (False, True) if times == "wide" else (False,)):
         got = torch.full((len(lengths), HEADS, n, n), float("nan"), device=DEVICE)
         grid = (len(lengths), triton.cdiv(n, 32), HEADS)
-        _bias_probe_kernel[grid + ()](prep.args, offs, got, n, BM=32, BN=16, TRANS=trans)
+        _bias_probe_kernel[grid + ()](prep.args, offs, got, n, BM=32, BN=16, TRANS=trans, WIDE=with_wide)
         for b, length in enumerate(lengths):
+            if wide[b] and not with_wide:
+                continue  # the kernels never run a sequence with a wide chunk without the int64 path
             # The kernel adds the lowest bucket's weight and then the steps between the tile's buckets: the same
             # value up to float32 rounding of those steps (a few ulp of the weights, which are ~N(0, 1) here). A
             # wrong bucket or position is off by O(1).
@@ -189,7 +201,8 @@ def test_the_kernel_bias_equals_the_dense_reference_bias():
 
 
 @triton.jit
-def _bias_probe_kernel(bias, OFFS, OUT, n, BM: tl.constexpr, BN: tl.constexpr, TRANS: tl.constexpr):
+def _bias_probe_kernel(bias, OFFS, OUT, n, BM: tl.constexpr, BN: tl.constexpr, TRANS: tl.constexpr,
+                       WIDE: tl.constexpr):
     """Writes the bias of query block ``program_id(1)`` of sequence ``program_id(0)``, key block by key block."""
     b = tl.program_id(0)
     h = tl.program_id(2)
@@ -208,12 +221,12 @@ def _bias_probe_kernel(bias, OFFS, OUT, n, BM: tl.constexpr, BN: tl.constexpr, T
             out = OUT + ((b * tl.num_programs(2) + h) * n + rows[:, None]) * n + cols[None, :]
             if TRANS:
                 zero = tl.zeros((BN, BM), tl.float32)
-                t = kbias.add_bias(zero, bias, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, True)
+                t = kbias.add_bias(zero, bias, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, True, WIDE)
                 tl.store(out, tl.trans(t), mask=ok)
             else:
                 zero = tl.zeros((BM, BN), tl.float32)
-                tl.store(out, kbias.add_bias(zero, bias, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, False),
-                         mask=ok)
+                t = kbias.add_bias(zero, bias, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, False, WIDE)
+                tl.store(out, t, mask=ok)
 
 
 def test_bucket_edges_reproduce_the_reference_bucket_of_every_gap_around_them():
@@ -310,3 +323,4 @@ def test_chunks_spanning_more_than_int32_time_units_are_exact(mask):
     # narrow sequences: the tiles of wide chunks take the int64 path, the others the int32 one; 128 buckets, so
     # gaps above 2^31 land in buckets 72-128 and must be told apart exactly.
     check_against_reference([45, 23, 38], mask, per_head=False, positions=50, num_buckets=128, times="wide")
+

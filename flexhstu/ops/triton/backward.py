@@ -32,7 +32,7 @@ from .tables import first_block, locate_block
 def dq_block(q, do, K, V, h, seq_start, L, n0, rows, alpha, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr,
              DIM_V: tl.constexpr, TILE_QK: tl.constexpr, TILE_V: tl.constexpr, CAUSAL_MASK: tl.constexpr,
              FAST_SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr, BIAS=None, BROWS=None,
-             HAS_BIAS: tl.constexpr = False):
+             HAS_BIAS: tl.constexpr = False, WIDE_TIMES: tl.constexpr = False):
     """Key block ``n0``: ``(dS / c, k)`` with ``dS / c = (do v^T) silu'(s)``, zeroed above the diagonal
     when CAUSAL_MASK; ``s`` includes the relative bias when HAS_BIAS (as ``attend``)."""
     cols = n0 + tl.arange(0, BLOCK_N)
@@ -41,7 +41,7 @@ def dq_block(q, do, K, V, h, seq_start, L, n0, rows, alpha, BLOCK_N: tl.constexp
     v = load_rows(V, seq_start + cols, col_ok, h, DIM_V, TILE_V)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * alpha
     if HAS_BIAS:
-        s = query_major_bias(s, BIAS, BROWS, h, seq_start, L, rows, cols, n0)
+        s = query_major_bias(s, BIAS, BROWS, h, seq_start, L, rows, cols, n0, WIDE_TIMES)
     sig = sigmoid(s, FAST_SIGMOID)
     ds = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION) * sig * (1.0 + s * (1.0 - sig))
     if CAUSAL_MASK:
@@ -123,57 +123,63 @@ def hstu_backward_dkdv_kernel(
             acc_v = tl.zeros((BLOCK_N, TILE_V), dtype=tl.float32)
             if HAS_BIAS:
                 bi, bmin, bmax, base_b = bias_cols(BIAS, seq_start, L, cols, n0)
-            for qb in range(lo, hi):
-                m0 = qb * BLOCK_M
-                rows = m0 + tl.arange(0, BLOCK_M)
-                row_ok = rows < L
-                rows_g = seq_start + rows
-                q = load_rows(Q, rows_g, row_ok, h, DIM_QK, TILE_QK)
-                do = load_rows(DO, rows_g, row_ok, h, DIM_V, TILE_V)
-                if MODE == MODE_CAUSAL:
-                    hlo, hhi, clo, chi = causal_bounds(m0, L, BLOCK_M, INTERVALS_POW2)
-                else:
-                    b = BOUNDS + ((h * plan_head * n_qblocks) + q_flat + qb) * 4 * INTERVALS_POW2 + jr
-                    hlo = tl.load(b)
-                    hhi = tl.load(b + INTERVALS_POW2)
-                    clo = tl.load(b + 2 * INTERVALS_POW2)
-                    chi = tl.load(b + 3 * INTERVALS_POW2)
-                s = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * alpha  # (BLOCK_N, BLOCK_M): S^T
-                if HAS_BIAS:
-                    ai, amin, amax, base_a = bias_rows(BIAS, seq_start, L, rows, m0)
-                    d = base_a - base_b
-                    b_lo, b_hi = tile_buckets(BIAS, amin, amax, bmin, bmax, d)
-                    if m0 < L:  # always: keeps the pipeliner off the bias loads (bias.PIPELINE_GUARD)
-                        s = add_bias(s, BIAS, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, True)
-                sig = sigmoid(s, FAST_SIGMOID)
-                p = s * sig
-                dsilu = sig * (1.0 + s * (1.0 - sig))
-                if HAS_ATTN_SCALE:
-                    row_scale = tl.load(ATTN_SCALE + rows_g, mask=row_ok, other=0.0)[None, :]
-                    p = p * row_scale
-                    dsilu = dsilu * row_scale
-                # Both operands of the coming dots are cast now, before dP is computed: fewer registers live
-                # at once (s and sig die here), which keeps this kernel from spilling.
-                p = p.to(do.dtype)
-                dp = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-                ds = (dp * dsilu).to(q.dtype)
-                if not block_is_full(n0, n1, clo, chi):
-                    # Intervals are re-read here rather than held in registers: along this kernel's
-                    # transposed tile a row vector costs ~16 registers a thread (measured slower).
-                    if MODE == MODE_CAUSAL:
-                        vis = cols[:, None] <= rows[None, :]
-                    else:
-                        vis = interval_visibility(func=func_h, targets=targets, rule=rule, rows=rows, rows_g=rows_g,
-                                                  row_ok=row_ok, L=L, cols=cols, n0=n0, hlo=hlo, hhi=hhi,
-                                                  NFUNC=NFUNC, MODE=MODE, HAS_TARGETS=HAS_TARGETS,
-                                                  INTERVALS_POW2=INTERVALS_POW2, BLOCK_N=BLOCK_N, TRANS=True)
-                    p = tl.where(vis, p, 0.0)
-                    ds = tl.where(vis, ds, 0.0)
-                if BIAS_GRAD:
-                    bias_grad(BIAS, h, seq_start, L, ds, rows, cols, ai, bi, d, b_lo, b_hi, dv_scale, DOT_PRECISION,
-                              True)
-                acc_v += tl.dot(p, do, input_precision=DOT_PRECISION)
-                acc_k += tl.dot(ds, q, input_precision=DOT_PRECISION)
+            # With a bias, two copies of the loop: the one holding the int64 path for wide chunks runs only where
+            # the sequence has one (bias.add_bias); seq_wide is 0 or 1.
+            wide = tl.load(BIAS.seq_wide + seq) if HAS_BIAS else 0
+            for copy in tl.static_range(2 if HAS_BIAS else 1):
+                if wide == copy:
+                    for qb in range(lo, hi):
+                        m0 = qb * BLOCK_M
+                        rows = m0 + tl.arange(0, BLOCK_M)
+                        row_ok = rows < L
+                        rows_g = seq_start + rows
+                        q = load_rows(Q, rows_g, row_ok, h, DIM_QK, TILE_QK)
+                        do = load_rows(DO, rows_g, row_ok, h, DIM_V, TILE_V)
+                        if MODE == MODE_CAUSAL:
+                            hlo, hhi, clo, chi = causal_bounds(m0, L, BLOCK_M, INTERVALS_POW2)
+                        else:
+                            b = BOUNDS + ((h * plan_head * n_qblocks) + q_flat + qb) * 4 * INTERVALS_POW2 + jr
+                            hlo = tl.load(b)
+                            hhi = tl.load(b + INTERVALS_POW2)
+                            clo = tl.load(b + 2 * INTERVALS_POW2)
+                            chi = tl.load(b + 3 * INTERVALS_POW2)
+                        s = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * alpha  # (BLOCK_N, BLOCK_M): S^T
+                        if HAS_BIAS:
+                            ai, amin, amax, base_a = bias_rows(BIAS, seq_start, L, rows, m0)
+                            d = base_a - base_b
+                            b_lo, b_hi = tile_buckets(BIAS, amin, amax, bmin, bmax, d)
+                            if m0 < L:  # always: keeps the pipeliner off the bias loads (bias.PIPELINE_GUARD)
+                                s = add_bias(s, BIAS, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, True,
+                                             copy == 1)
+                        sig = sigmoid(s, FAST_SIGMOID)
+                        p = s * sig
+                        dsilu = sig * (1.0 + s * (1.0 - sig))
+                        if HAS_ATTN_SCALE:
+                            row_scale = tl.load(ATTN_SCALE + rows_g, mask=row_ok, other=0.0)[None, :]
+                            p = p * row_scale
+                            dsilu = dsilu * row_scale
+                        # Both operands of the coming dots are cast now, before dP is computed: fewer registers live
+                        # at once (s and sig die here), which keeps this kernel from spilling.
+                        p = p.to(do.dtype)
+                        dp = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+                        ds = (dp * dsilu).to(q.dtype)
+                        if not block_is_full(n0, n1, clo, chi):
+                            # Intervals are re-read here rather than held in registers: along this kernel's
+                            # transposed tile a row vector costs ~16 registers a thread (measured slower).
+                            if MODE == MODE_CAUSAL:
+                                vis = cols[:, None] <= rows[None, :]
+                            else:
+                                vis = interval_visibility(
+                                    func=func_h, targets=targets, rule=rule, rows=rows, rows_g=rows_g, row_ok=row_ok,
+                                    L=L, cols=cols, n0=n0, hlo=hlo, hhi=hhi, NFUNC=NFUNC, MODE=MODE,
+                                    HAS_TARGETS=HAS_TARGETS, INTERVALS_POW2=INTERVALS_POW2, BLOCK_N=BLOCK_N, TRANS=True)
+                            p = tl.where(vis, p, 0.0)
+                            ds = tl.where(vis, ds, 0.0)
+                        if BIAS_GRAD:
+                            bias_grad(BIAS, h, seq_start, L, ds, rows, cols, ai, bi, d, b_lo, b_hi, dv_scale,
+                                      DOT_PRECISION, True, copy == 1)
+                        acc_v += tl.dot(p, do, input_precision=DOT_PRECISION)
+                        acc_k += tl.dot(ds, q, input_precision=DOT_PRECISION)
             dk_ptrs = tile_ptrs(DK, cols_g, h, TILE_QK)
             dv_ptrs = tile_ptrs(DV, cols_g, h, TILE_V)
             dk_mask = tile_mask(col_ok, DIM_QK, TILE_QK)

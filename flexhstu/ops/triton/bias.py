@@ -121,8 +121,10 @@ class Bias(NamedTuple):
     ``(total,)`` offsets of each row's time and next time from ``time_base`` / ``next_base``, float64
     ``(total,)``, their chunk's minimum, or NaN for a *wide* chunk (one whose times span ``INT32_SPAN`` or
     more: its offsets are saturated and unused); ``time64`` / ``next64``: the int64 times themselves, read
-    by tiles that touch a wide chunk; ``dpos`` / ``dts``: float32 gradient buffers shaped like ``pos`` /
-    ``ts`` (zeros; written by the dK/dV kernel) or empty."""
+    by tiles that touch a wide chunk; ``seq_wide``: int32 ``(B,)``, 1 for a sequence with a wide chunk (its
+    programs run a walk that holds the int64 path, the others one without it: ``add_bias``); ``dpos`` /
+    ``dts``: float32 gradient buffers shaped like ``pos`` / ``ts`` (zeros; written by the dK/dV kernel) or
+    empty."""
 
     pos: torch.Tensor
     pos_stride_h: int
@@ -138,6 +140,7 @@ class Bias(NamedTuple):
     next_base: torch.Tensor
     time64: torch.Tensor
     next64: torch.Tensor
+    seq_wide: torch.Tensor
     dpos: torch.Tensor
     dts: torch.Tensor
 
@@ -191,12 +194,15 @@ def prepare(rel_bias: RelativeBias, seq_offsets: torch.Tensor, total: int, with_
     nchunks = total // CHUNK + seq_offsets.numel()
     time32, time_base = _chunked(times, chunk, nchunks)
     next32, next_base = _chunked(nxt, chunk, nchunks)
+    wide_row = (time_base.isnan() | next_base.isnan()).to(torch.int32)
+    seq_wide = torch.zeros(seq_offsets.numel() - 1, dtype=torch.int32, device=times.device).scatter_reduce_(
+        0, seq, wide_row, "amax")
     edges, edges32 = edges_tensors(ts.shape[1] - 1, times.device)
     dpos = torch.zeros_like(pos) if with_grads else pos.new_empty(0)
     dts = torch.zeros_like(ts) if with_grads else ts.new_empty(0)
     args = Bias(pos, pos.stride(0) if pos.shape[0] > 1 else 0, pad + half, ts, ts.stride(0) if ts.shape[0] > 1 else 0,
                 ts.shape[1] - 1, edges, edges32, time32, time_base, next32, next_base, times.contiguous(),
-                nxt.contiguous(), dpos, dts)
+                nxt.contiguous(), seq_wide, dpos, dts)
     return Prepared(args, pad, n_pos)
 
 
@@ -290,15 +296,15 @@ def _far(bias, k, ai, bi, d, TRANS: tl.constexpr):
 
 
 @triton.jit
-def query_major_bias(s, bias, brows, h, seq_start, L, rows, cols, n0):
+def query_major_bias(s, bias, brows, h, seq_start, L, rows, cols, n0, WIDE: tl.constexpr):
     """``s + bias`` for a ``(rows, cols)`` tile of a query-major program (keys from ``n0``); ``brows``: the
-    program's ``bias_rows``."""
+    program's ``bias_rows``; WIDE: as ``add_bias``."""
     ai, amin, amax, base_a = brows
     if n0 < L:  # always (walks visit key blocks inside the sequence): see PIPELINE_GUARD
         bi, bmin, bmax, base_b = bias_cols(bias, seq_start, L, cols, n0)
         d = base_a - base_b
         b_lo, b_hi = tile_buckets(bias, amin, amax, bmin, bmax, d)
-        s = add_bias(s, bias, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, False)
+        s = add_bias(s, bias, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, False, WIDE)
     return s
 
 
@@ -329,13 +335,50 @@ def _wide_far(bias, k, ta, tb, TRANS: tl.constexpr):
 
 
 @triton.jit
-def add_bias(s, bias, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, TRANS: tl.constexpr):
+def _add_time_steps(s, tsw, bias, ai, bi, d, b_lo, b_hi, TRANS: tl.constexpr):
+    """``s`` plus the time weight of every pair of an int32 tile (``add_bias``)."""
+    w = tl.load(tsw + b_lo)
+    s += w
+    # The first UNROLLED edges unrolled, the rest in a loop behind a branch: a loop directly in the kernels'
+    # main loop stops Triton's software pipelining of the K/V loads (seen on sm_90); a branch does not.
+    for j in tl.static_range(UNROLLED):
+        k = b_lo + 1 + j
+        if k <= b_hi:
+            w_next = tl.load(tsw + k)
+            s += tl.where(_far(bias, k, ai, bi, d, TRANS), w_next - w, 0.0)
+            w = w_next
+    if b_hi - b_lo > UNROLLED:
+        for k in range(b_lo + 1 + UNROLLED, b_hi + 1):
+            w_next = tl.load(tsw + k)
+            s += tl.where(_far(bias, k, ai, bi, d, TRANS), w_next - w, 0.0)
+            w = w_next
+    return s
+
+
+@triton.jit
+def _add_wide_time_steps(s, tsw, bias, seq_start, L, rows, cols, TRANS: tl.constexpr):
+    """``s`` plus the time weight of every pair of a tile that meets a wide chunk, from the int64 times."""
+    ta, tb, lo, hi = _wide_times(bias, seq_start, L, rows, cols)
+    w = tl.load(tsw + lo)
+    s += w
+    for k in range(lo + 1, hi + 1):
+        w_next = tl.load(tsw + k)
+        s += tl.where(_wide_far(bias, k, ta, tb, TRANS), w_next - w, 0.0)
+        w = w_next
+    return s
+
+
+@triton.jit
+def add_bias(s, bias, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, TRANS: tl.constexpr,
+             WIDE: tl.constexpr):
     """``s`` plus the float32 bias of its tile, ``(rows, cols)``, or ``(cols, rows)`` when TRANS; ``ai``, ``bi``:
     the rows' and keys' int32 times, ``d`` the difference of their bases, ``b_lo .. b_hi``: ``tile_buckets``.
 
     The position entry and the lowest bucket's weight first; then for each edge between ``b_lo`` and ``b_hi``
     the step to the next bucket's weight where the pair's gap reaches it (the float32 sum of the steps
-    differs from the weight by rounding only). ``d`` NaN (a wide chunk): the same from the int64 times.
+    differs from the weight by rounding only). ``d`` NaN (a wide chunk): the same from the int64 times, a
+    branch compiled only with WIDE, which the programs of a sequence with a wide chunk run (``Bias.seq_wide``):
+    in the other programs' loops it would hold registers that the common path then spills.
     """
     tsw = bias.ts + h * bias.ts_stride_h
     posw = bias.pos + h * bias.pos_stride_h + bias.pos_center
@@ -343,30 +386,13 @@ def add_bias(s, bias, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, TRANS:
         s += tl.load(posw + (cols[:, None] - rows[None, :]))
     else:
         s += tl.load(posw + (cols[None, :] - rows[:, None]))
-    if d != d:
-        ta, tb, lo, hi = _wide_times(bias, seq_start, L, rows, cols)
-        w = tl.load(tsw + lo)
-        s += w
-        for k in range(lo + 1, hi + 1):
-            w_next = tl.load(tsw + k)
-            s += tl.where(_wide_far(bias, k, ta, tb, TRANS), w_next - w, 0.0)
-            w = w_next
+    if WIDE:
+        if d != d:
+            s = _add_wide_time_steps(s, tsw, bias, seq_start, L, rows, cols, TRANS)
+        else:
+            s = _add_time_steps(s, tsw, bias, ai, bi, d, b_lo, b_hi, TRANS)
     else:
-        w = tl.load(tsw + b_lo)
-        s += w
-        # The first UNROLLED edges unrolled, the rest in a loop behind a branch: a loop directly in the kernels'
-        # main loop stops Triton's software pipelining of the K/V loads (seen on sm_90); a branch does not.
-        for j in tl.static_range(UNROLLED):
-            k = b_lo + 1 + j
-            if k <= b_hi:
-                w_next = tl.load(tsw + k)
-                s += tl.where(_far(bias, k, ai, bi, d, TRANS), w_next - w, 0.0)
-                w = w_next
-        if b_hi - b_lo > UNROLLED:
-            for k in range(b_lo + 1 + UNROLLED, b_hi + 1):
-                w_next = tl.load(tsw + k)
-                s += tl.where(_far(bias, k, ai, bi, d, TRANS), w_next - w, 0.0)
-                w = w_next
+        s = _add_time_steps(s, tsw, bias, ai, bi, d, b_lo, b_hi, TRANS)
     return s
 
 
@@ -405,36 +431,52 @@ def _reached_sum(g, far):
 
 
 @triton.jit
+def _time_grads(g, dts, prev, bias, ai, bi, d, b_lo, b_hi, TRANS: tl.constexpr):
+    """The time-bucket gradients of an int32 tile (``bias_grad``); ``prev``: the tile's total."""
+    for j in tl.static_range(UNROLLED):  # as in add_bias
+        k = b_lo + 1 + j
+        if k <= b_hi:
+            part = _reached_sum(g, _far(bias, k, ai, bi, d, TRANS))
+            tl.atomic_add(dts + k - 1, prev - part, sem="relaxed")
+            prev = part
+    if b_hi - b_lo > UNROLLED:
+        for k in range(b_lo + 1 + UNROLLED, b_hi + 1):
+            part = _reached_sum(g, _far(bias, k, ai, bi, d, TRANS))
+            tl.atomic_add(dts + k - 1, prev - part, sem="relaxed")
+            prev = part
+    tl.atomic_add(dts + b_hi, prev, sem="relaxed")
+
+
+@triton.jit
+def _wide_time_grads(g, dts, prev, bias, seq_start, L, rows, cols, TRANS: tl.constexpr):
+    """The time-bucket gradients of a tile that meets a wide chunk, from the int64 times."""
+    ta, tb, lo, hi = _wide_times(bias, seq_start, L, rows, cols)
+    for k in range(lo + 1, hi + 1):
+        part = _reached_sum(g, _wide_far(bias, k, ta, tb, TRANS))
+        tl.atomic_add(dts + k - 1, prev - part, sem="relaxed")
+        prev = part
+    tl.atomic_add(dts + hi, prev, sem="relaxed")
+
+
+@triton.jit
 def bias_grad(bias, h, seq_start, L, ds, rows, cols, ai, bi, d, b_lo, b_hi, scale, DOT_PRECISION: tl.constexpr,
-              TRANS: tl.constexpr):
+              TRANS: tl.constexpr, WIDE: tl.constexpr):
     """Add this tile's table gradients into ``bias.dts`` and ``bias.dpos``: ``ds`` is the tile's masked
     gradient of the pre-silu scores divided by ``scale`` (``(cols, rows)`` when TRANS, else ``(rows, cols)``);
-    the other arguments as for ``add_bias`` (``rows``, ``cols``: the tile's local positions, from its origin)."""
+    the other arguments as for ``add_bias`` (``rows``, ``cols``: the tile's local positions, from its origin;
+    WIDE: the int64 path compiled in)."""
     g = ds.to(tl.float32) * scale
     dts = bias.dts + h * bias.ts_stride_h
     # Time buckets: the sum over pairs whose gap reaches each edge; bucket b gets the difference of consecutive
     # sums (one reduction and one scalar atomic per bucket).
     prev = tl.sum(tl.sum(g, axis=1), axis=0)
-    if d != d:  # a wide chunk: the int64 times (add_bias)
-        ta, tb, lo, hi = _wide_times(bias, seq_start, L, rows, cols)
-        for k in range(lo + 1, hi + 1):
-            part = tl.sum(tl.sum(tl.where(_wide_far(bias, k, ta, tb, TRANS), g, 0.0), axis=1), axis=0)
-            tl.atomic_add(dts + k - 1, prev - part, sem="relaxed")
-            prev = part
-        tl.atomic_add(dts + hi, prev, sem="relaxed")
+    if WIDE:
+        if d != d:
+            _wide_time_grads(g, dts, prev, bias, seq_start, L, rows, cols, TRANS)
+        else:
+            _time_grads(g, dts, prev, bias, ai, bi, d, b_lo, b_hi, TRANS)
     else:
-        for j in tl.static_range(UNROLLED):  # as in add_bias
-            k = b_lo + 1 + j
-            if k <= b_hi:
-                part = tl.sum(tl.sum(tl.where(_far(bias, k, ai, bi, d, TRANS), g, 0.0), axis=1), axis=0)
-                tl.atomic_add(dts + k - 1, prev - part, sem="relaxed")
-                prev = part
-        if b_hi - b_lo > UNROLLED:
-            for k in range(b_lo + 1 + UNROLLED, b_hi + 1):
-                part = tl.sum(tl.sum(tl.where(_far(bias, k, ai, bi, d, TRANS), g, 0.0), axis=1), axis=0)
-                tl.atomic_add(dts + k - 1, prev - part, sem="relaxed")
-                prev = part
-        tl.atomic_add(dts + b_hi, prev, sem="relaxed")
+        _time_grads(g, dts, prev, bias, ai, bi, d, b_lo, b_hi, TRANS)
     # Positions: diagonal sums of the tile, then one atomic per (block diagonal, offset).
     X: tl.constexpr = ds.shape[0]
     Y: tl.constexpr = ds.shape[1]

@@ -15,11 +15,12 @@ from .silu import sigmoid
 def attend(q, do, K, V, h, seq_start, L, n0, rows, alpha, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr,
            DIM_V: tl.constexpr, TILE_QK: tl.constexpr, TILE_V: tl.constexpr, CAUSAL_MASK: tl.constexpr,
            FAST_SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr, BIAS=None, BROWS=None,
-           HAS_BIAS: tl.constexpr = False):
+           HAS_BIAS: tl.constexpr = False, WIDE_TIMES: tl.constexpr = False):
     """Key block ``n0``: ``(silu(alpha q k^T [+ bias]), v)``, the silu zeroed above the diagonal when CAUSAL_MASK.
 
     ``do`` is unused (the dQ kernel's block function takes it). With HAS_BIAS the relative bias
-    (``BIAS``: ``bias.Bias``; ``BROWS``: the program's ``bias_rows``) is added to the scores.
+    (``BIAS``: ``bias.Bias``; ``BROWS``: the program's ``bias_rows``) is added to the scores, with the int64
+    path for wide chunks compiled in when WIDE_TIMES (``bias.add_bias``).
     """
     cols = n0 + tl.arange(0, BLOCK_N)
     col_ok = cols < L
@@ -27,7 +28,7 @@ def attend(q, do, K, V, h, seq_start, L, n0, rows, alpha, BLOCK_N: tl.constexpr,
     v = load_rows(V, seq_start + cols, col_ok, h, DIM_V, TILE_V)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * alpha
     if HAS_BIAS:
-        s = query_major_bias(s, BIAS, BROWS, h, seq_start, L, rows, cols, n0)
+        s = query_major_bias(s, BIAS, BROWS, h, seq_start, L, rows, cols, n0, WIDE_TIMES)
     p = s * sigmoid(s, FAST_SIGMOID)
     if CAUSAL_MASK:
         p = tl.where(cols[None, :] <= rows[:, None], p, 0.0)

@@ -36,13 +36,15 @@ def query_major_walk(acc, q, do, K, V, func, rule, h, seq, seq_start, L, m0, row
                      DOT_PRECISION: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr, DIM_V: tl.constexpr,
                      TILE_QK: tl.constexpr, TILE_V: tl.constexpr, BIAS=None, BROWS=None,
-                     HAS_BIAS: tl.constexpr = False, SPLIT=0, N_SPLITS: tl.constexpr = 1):
+                     HAS_BIAS: tl.constexpr = False, WIDE_TIMES: tl.constexpr = False, SPLIT=0,
+                     N_SPLITS: tl.constexpr = 1):
     """``acc (BLOCK_M, D)`` plus the contribution of every key block that query block ``m0`` sees.
 
     ``q (BLOCK_M, DIM_QK)`` and ``do (BLOCK_M, DIM_V)`` are the block's tiles (the forward passes ``q``
-    for ``do``, unused); ``K``, ``V``: ``Jagged``. ``BIAS``, ``BROWS``, HAS_BIAS: passed to ``BLOCK_FN``
-    (the relative bias and the program's rows' times). With N_SPLITS > 1 only the key blocks of split
-    ``SPLIT`` (every N_SPLITS-th of the walk, from the SPLIT-th) are visited: the caller sums the splits.
+    for ``do``, unused); ``K``, ``V``: ``Jagged``. ``BIAS``, ``BROWS``, HAS_BIAS, WIDE_TIMES: passed to
+    ``BLOCK_FN`` (the relative bias, the program's rows' times, the int64 path for wide chunks). With
+    N_SPLITS > 1 only the key blocks of split ``SPLIT`` (every N_SPLITS-th of the walk, from the SPLIT-th) are
+    visited: the caller sums the splits.
     """
     if MODE == MODE_CAUSAL:
         # Key blocks wholly at or before the first row need no mask; the rest meet the diagonal.
@@ -54,13 +56,13 @@ def query_major_walk(acc, q, do, K, V, func, rule, h, seq, seq_start, L, m0, row
             x, y = BLOCK_FN(q=q, do=do, K=K, V=V, h=h, seq_start=seq_start, L=L, n0=kb * BLOCK_N, rows=rows,
                             alpha=alpha, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK, TILE_V=TILE_V,
                             CAUSAL_MASK=False, FAST_SIGMOID=FAST_SIGMOID, DOT_PRECISION=DOT_PRECISION,
-                            BIAS=BIAS, BROWS=BROWS, HAS_BIAS=HAS_BIAS)
+                            BIAS=BIAS, BROWS=BROWS, HAS_BIAS=HAS_BIAS, WIDE_TIMES=WIDE_TIMES)
             acc += tl.dot(x.to(y.dtype), y, input_precision=DOT_PRECISION)
         for kb in range(diag_first, n_end, N_SPLITS):
             x, y = BLOCK_FN(q=q, do=do, K=K, V=V, h=h, seq_start=seq_start, L=L, n0=kb * BLOCK_N, rows=rows,
                             alpha=alpha, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK, TILE_V=TILE_V,
                             CAUSAL_MASK=True, FAST_SIGMOID=FAST_SIGMOID, DOT_PRECISION=DOT_PRECISION,
-                            BIAS=BIAS, BROWS=BROWS, HAS_BIAS=HAS_BIAS)
+                            BIAS=BIAS, BROWS=BROWS, HAS_BIAS=HAS_BIAS, WIDE_TIMES=WIDE_TIMES)
             acc += tl.dot(x.to(y.dtype), y, input_precision=DOT_PRECISION)
     else:
         targets = sequence_targets(rule, seq, HAS_TARGETS)
@@ -79,7 +81,7 @@ def query_major_walk(acc, q, do, K, V, func, rule, h, seq, seq_start, L, m0, row
             x, y = BLOCK_FN(q=q, do=do, K=K, V=V, h=h, seq_start=seq_start, L=L, n0=n0, rows=rows,
                             alpha=alpha, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK, TILE_V=TILE_V,
                             CAUSAL_MASK=False, FAST_SIGMOID=FAST_SIGMOID, DOT_PRECISION=DOT_PRECISION,
-                            BIAS=BIAS, BROWS=BROWS, HAS_BIAS=HAS_BIAS)
+                            BIAS=BIAS, BROWS=BROWS, HAS_BIAS=HAS_BIAS, WIDE_TIMES=WIDE_TIMES)
             if not block_is_full(n0, tl.minimum(n0 + BLOCK_N, L), clo, chi):
                 cols = n0 + tl.arange(0, BLOCK_N)
                 if INTERVALS_IN_REGISTERS:
@@ -124,15 +126,20 @@ def query_major_program(Q, DO, K, V, OUT, func, rule, OFFS, QTAB, n_flat, alpha,
         rows_g = seq_start + rows
         q = load_rows(Q, rows_g, row_ok, h, DIM_QK, TILE_QK)
         do = load_rows(DO, rows_g, row_ok, h, DIM_V, TILE_V) if WITH_DO else q
+        acc = tl.zeros((BLOCK_M, OUT_TILE), dtype=tl.float32)
         brows = bias_rows(BIAS, seq_start, L, rows, m0) if HAS_BIAS else None
-        acc = query_major_walk(
-            acc=tl.zeros((BLOCK_M, OUT_TILE), dtype=tl.float32), q=q, do=do, K=K, V=V, func=func, rule=rule,
-            h=h,
-            seq=seq, seq_start=seq_start, L=L, m0=m0, rows=rows, row_ok=row_ok, rows_g=rows_g, alpha=alpha,
-            BLOCK_FN=BLOCK_FN, NFUNC=NFUNC, MODE=MODE, HAS_TARGETS=HAS_TARGETS, INTERVALS_POW2=INTERVALS_POW2,
-            INTERVALS_IN_REGISTERS=INTERVALS_IN_REGISTERS, FAST_SIGMOID=FAST_SIGMOID, DOT_PRECISION=DOT_PRECISION,
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK,
-            TILE_V=TILE_V, BIAS=BIAS, BROWS=brows, HAS_BIAS=HAS_BIAS)
+        # With a bias, two copies of the walk: the one holding the int64 path for wide chunks runs only where the
+        # sequence has one (bias.add_bias); seq_wide is 0 or 1.
+        wide = tl.load(BIAS.seq_wide + seq) if HAS_BIAS else 0
+        for copy in tl.static_range(2 if HAS_BIAS else 1):
+            if wide == copy:
+                acc = query_major_walk(
+                    acc=acc, q=q, do=do, K=K, V=V, func=func, rule=rule, h=h, seq=seq, seq_start=seq_start, L=L,
+                    m0=m0, rows=rows, row_ok=row_ok, rows_g=rows_g, alpha=alpha, BLOCK_FN=BLOCK_FN, NFUNC=NFUNC,
+                    MODE=MODE, HAS_TARGETS=HAS_TARGETS, INTERVALS_POW2=INTERVALS_POW2,
+                    INTERVALS_IN_REGISTERS=INTERVALS_IN_REGISTERS, FAST_SIGMOID=FAST_SIGMOID,
+                    DOT_PRECISION=DOT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V,
+                    TILE_QK=TILE_QK, TILE_V=TILE_V, BIAS=BIAS, BROWS=brows, HAS_BIAS=HAS_BIAS, WIDE_TIMES=copy == 1)
         acc = acc * out_scale
         if HAS_ROW_SCALE:
             acc = acc * tl.load(ROW_SCALE + rows_g, mask=row_ok, other=0.0)[:, None]
