@@ -9,6 +9,7 @@ float32 and float16 only: the interpreter computes bf16 dots wrongly (tests/gpu 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import os
@@ -324,3 +325,15 @@ def test_chunks_spanning_more_than_int32_time_units_are_exact(mask):
     # gaps above 2^31 land in buckets 72-128 and must be told apart exactly.
     check_against_reference([45, 23, 38], mask, per_head=False, positions=50, num_buckets=128, times="wide")
 
+
+def test_the_bias_dkdv_tile_of_the_gpu_matches_the_reference():
+    # The GPU's dK/dV tile for calls with a bias (32 query rows x 64 keys, 2 stages): its diagonal sums cut the
+    # tile into 8 x 8 sub-blocks, a shape the interpreter's own tiles (4 x 4) never reach.
+    from flexhstu.ops.triton.config import Tile, default_tiles, tile_override
+
+    gpu = default_tiles(128, 128, interpreting=False, bias=True)
+    assert gpu.dkdv == Tile(32, 64, 4, 2)
+    assert gpu._replace(dkdv=None) == default_tiles(128, 128, interpreting=False)._replace(dkdv=None)
+    assert default_tiles(128, 128, interpreting=False, sparse=True, bias=True).dkdv == Tile(32, 64, 4, 2)
+    with tile_override(dkdv=dataclasses.replace(gpu.dkdv, num_stages=1)):
+        check_against_reference([70, 0, 33], "sla", per_head=False, positions=40, num_buckets=40)

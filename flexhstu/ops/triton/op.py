@@ -62,11 +62,11 @@ def _bias_args(bias: kbias.Prepared | None) -> dict:
     return {} if bias is None else dict(BIAS=bias.args, HAS_BIAS=True)
 
 
-def call_tiles(q: torch.Tensor, v: torch.Tensor, vis: Visibility) -> Tiles:
-    """The tiles of one call (defaults for its head dims and the mask's sparsity, or a ``tile_override`` in
-    force), read once when the call starts and carried to its backward, which autograd may run on another
-    thread."""
-    return tiles(tile_dim(q.shape[2]), tile_dim(v.shape[2]), _interpreting(), vis.sparse)
+def call_tiles(q: torch.Tensor, v: torch.Tensor, vis: Visibility, bias: bool = False) -> Tiles:
+    """The tiles of one call (defaults for its head dims, the mask's sparsity and whether a relative bias is
+    added, or a ``tile_override`` in force), read once when the call starts and carried to its backward, which
+    autograd may run on another thread."""
+    return tiles(tile_dim(q.shape[2]), tile_dim(v.shape[2]), _interpreting(), vis.sparse, bias)
 
 
 def forward(q, k, v, offs, vis: Visibility, alpha: float, out_scale: float,
@@ -81,7 +81,7 @@ def forward(q, k, v, offs, vis: Visibility, alpha: float, out_scale: float,
     if total == 0:
         return out
     interpreting = _interpreting()
-    tile = (tile_set or call_tiles(q, v, vis)).forward
+    tile = (tile_set or call_tiles(q, v, vis, bias is not None)).forward
     plan = plan if plan is not None else BlockPlan(offs, total, vis)
     qtab, nqb = plan.tables.table(tile.block_m)
     hstu_forward_kernel[(nqb, nheads)](
@@ -103,7 +103,7 @@ def backward(dout, q, k, v, offs, vis: Visibility, alpha: float, out_scale: floa
     if total == 0:
         return dq, _new_like(k), _new_like(v)
     interpreting = _interpreting()
-    _, tq, tkv = tile_set or call_tiles(q, v, vis)
+    _, tq, tkv = tile_set or call_tiles(q, v, vis, bias is not None)
     args = _attention_args(q, k, v, offs, vis, alpha, interpreting)
     args.update(_scale_args(attn_scale, offs))
     scale = 1.0 if attn_scale is not None else out_scale  # attn_scale replaces out_scale, row by row
@@ -228,8 +228,8 @@ class _HstuAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, offs, func, num_targets, attn_scale, plan, alpha, out_scale, max_seq_len,
                 pos_w=None, ts_w=None, timestamps=None):
-        tile_set = call_tiles(q, v, plan.vis)
         bias = _prepared(q, offs, pos_w, ts_w, timestamps, with_grads=False)
+        tile_set = call_tiles(q, v, plan.vis, bias is not None)
         out = forward(q, k, v, offs, plan.vis, alpha, out_scale, attn_scale, plan, tile_set, bias)
         ctx.save_for_backward(q, k, v, offs, func, num_targets, attn_scale)  # the mask too: what backward reads
         ctx.rest = (plan, alpha, out_scale, max_seq_len, tile_set, bias, (pos_w, ts_w, timestamps))
