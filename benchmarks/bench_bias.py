@@ -16,7 +16,9 @@ Every time is device time of a CUDA-graph replay (no host work), the median of `
 ``triton.testing.do_bench``; spread = (max - min) / median of the repeats. ``ratio`` is time without the
 bias over time with it (1.0: free; the issue's target is at least 0.8 for forward+backward). Peak memory is
 ``torch.cuda.max_memory_allocated`` during one eager forward+backward, above what the inputs hold.
-Per-kernel device times (torch.profiler, eager calls) show where the bias's cost goes.
+Per-kernel device times (torch.profiler, eager calls) show where the bias's cost goes. ``--tiles`` times the
+calls with the bias again under other tiles: each variant is ``KERNEL=M,N,WARPS,STAGES`` joined by ``+``
+(kernels ``forward``, ``dq``, ``dkdv``), e.g. ``dkdv=32,64,4,2+forward=64,64,4,3``.
 """
 
 from __future__ import annotations
@@ -103,6 +105,16 @@ def run(name: str, mask: str, args) -> dict:
         row[f"{label}_fb_ms"], row[f"{label}_fb_spread"] = median_ms(captured(fb), args.repeats)
         if args.kernels:
             row[f"{label}_kernels_us"] = kernel_times(fb)
+        if label == "bias":
+            from flexhstu.ops.triton.config import Tile, tile_override
+
+            for spec in args.tiles:
+                chosen = {part.split("=")[0]: Tile(*(int(x) for x in part.split("=")[1].split(",")))
+                          for part in spec.split("+")}
+                with tile_override(**chosen):
+                    fb()
+                    row[f"bias_fwd_ms [{spec}]"], _ = median_ms(captured(fwd), args.repeats)
+                    row[f"bias_fb_ms [{spec}]"], _ = median_ms(captured(fb), args.repeats)
     row["fwd_ratio"] = row["plain_fwd_ms"] / row["bias_fwd_ms"]
     row["fb_ratio"] = row["plain_fb_ms"] / row["bias_fb_ms"]
     return row
@@ -118,6 +130,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--only", default="", help="comma-separated name prefixes (causal, sla)")
     p.add_argument("--kernels", action="store_true", help="also per-kernel device times (torch.profiler)")
+    p.add_argument("--tiles", nargs="*", default=[], metavar="KERNEL=M,N,WARPS,STAGES[+...]",
+                   help="also time the calls with the bias under these tiles")
     p.add_argument("--json", default="")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -139,6 +153,10 @@ def main() -> int:
         print(f"| {name} | {r['plain_fwd_ms']:.3f} | {r['bias_fwd_ms']:.3f} | {r['fwd_ratio']:.2f} "
               f"| {r['plain_fb_ms']:.3f} | {r['bias_fb_ms']:.3f} | {r['fb_ratio']:.2f} | {spread:.1%} "
               f"| {r['plain_peak_mib']:.0f} | {r['bias_peak_mib']:.0f} |", flush=True)
+        for spec in args.tiles:
+            print(f"    tiles {spec}: with bias fwd {r[f'bias_fwd_ms [{spec}]']:.3f} ms "
+                  f"({r['plain_fwd_ms'] / r[f'bias_fwd_ms [{spec}]']:.2f}), fwd+bwd {r[f'bias_fb_ms [{spec}]']:.3f} ms "
+                  f"({r['plain_fb_ms'] / r[f'bias_fb_ms [{spec}]']:.2f})")
         if args.kernels:
             for label in ("plain", "bias"):
                 print(f"    {label}: " + ", ".join(f"{k} {us:.0f} us" for k, us in r[f"{label}_kernels_us"].items()))

@@ -8,6 +8,7 @@
 #   bias     the relative attention bias in the kernels vs the same kernels without it (benchmarks/bench_bias.py)
 #   stu      the STU model step (flexhstu/bench_stu.py --suite), step time and peak memory
 #   serving  cached delta scoring vs full recompute (flexhstu/bench_serving.py --quick)
+#   aoti-probe  which small AOTInductor packages compile, load and run (benchmarks/aoti_probe.py, a process each)
 #   aoti     the micro-batch scorer compiled with AOTInductor vs eager (flexhstu/bench_serving.py --aoti --quick)
 #   serving-profile  host and device time of the scoring paths, bf16 vs float32 scores (benchmarks/profile_serving.py)
 #   seeds    the 5-seed model table (tools/run_seeds.sh; needs ml-100k.inter in .data/)
@@ -38,7 +39,8 @@ for s in $stages; do
     compile) run compile 120 python3 benchmarks/compile_check.py ;;
     bench) run bench 330 python3 benchmarks/bench.py --json "$OUT/bench.json" ;;
     graphs) run graphs 200 python3 benchmarks/graph_check.py ;;
-    bias) run bias 150 python3 benchmarks/bench_bias.py --json "$OUT/bias.json" ;;
+    bias) run bias 240 python3 benchmarks/bench_bias.py --kernels --json "$OUT/bias.json" ${BIAS_ARGS:-} ;;
+    aoti-probe) run aoti-probe 420 python3 benchmarks/aoti_probe.py --log-dir "$OUT/aoti-probe" ;;
     stu) run stu 220 python3 -m flexhstu.bench_stu --suite --dropout 0 --variants eager lean default \
            --json "$OUT/stu.json" ;;
     serving) run serving 200 python3 -m flexhstu.bench_serving --quick --json "$OUT/serving.json" ;;
