@@ -326,14 +326,18 @@ def test_chunks_spanning_more_than_int32_time_units_are_exact(mask):
     check_against_reference([45, 23, 38], mask, per_head=False, positions=50, num_buckets=128, times="wide")
 
 
-def test_the_bias_dkdv_tile_of_the_gpu_matches_the_reference():
-    # The GPU's dK/dV tile for calls with a bias (32 query rows x 64 keys, 2 stages): its diagonal sums cut the
-    # tile into 8 x 8 sub-blocks, a shape the interpreter's own tiles (4 x 4) never reach.
+def test_the_bias_tiles_of_the_gpu_match_the_reference():
+    # The GPU's tiles for calls with a bias: dK/dV 32 query rows x 64 keys (its diagonal sums cut the tile into
+    # 8 x 8 sub-blocks, a shape the interpreter's own tiles, 4 x 4, never reach), and at D <= 64 forward and dQ
+    # tiles of 64 x 64.
     from flexhstu.ops.triton.config import Tile, default_tiles, tile_override
 
     gpu = default_tiles(128, 128, interpreting=False, bias=True)
     assert gpu.dkdv == Tile(32, 64, 4, 2)
     assert gpu._replace(dkdv=None) == default_tiles(128, 128, interpreting=False)._replace(dkdv=None)
     assert default_tiles(128, 128, interpreting=False, sparse=True, bias=True).dkdv == Tile(32, 64, 4, 2)
-    with tile_override(dkdv=dataclasses.replace(gpu.dkdv, num_stages=1)):
+    small = default_tiles(32, 64, interpreting=False, bias=True)  # D <= 64: 64 x 64 forward and dQ tiles too
+    assert small.forward == small.dq == Tile(64, 64, 4, 3) and small.dkdv == Tile(32, 64, 4, 2)
+    one_stage = {name: dataclasses.replace(t, num_stages=1) for name, t in small._asdict().items()}
+    with tile_override(**one_stage):
         check_against_reference([70, 0, 33], "sla", per_head=False, positions=40, num_buckets=40)

@@ -43,20 +43,22 @@ def default_tiles(dim_qk: int, dim_v: int, interpreting: bool, sparse: bool = Fa
     on causal the large forward and dQ tiles stay ahead). The interpreter gets small, unequal blocks so the CPU
     tests cross many blocks, with another shape for sparse masks so both tile families are tested.
 
-    ``bias``: the call adds a relative attention bias. Its dK/dV kernel (the bias on every tile and the tables'
-    gradients on top of k, v and both accumulators) spills at 64 query rows a tile; 32 rows and two stages
-    measured 14.7 -> 10.3 ms forward+backward on causal B4 S8192 H4 D128 and 4.49 -> 3.42 ms on SLA 256/32
-    (H200, ``benchmarks/bench_bias.py --tiles``; 16 rows and 8 warps were slower, and 8 warps do not compile
-    for every mask).
+    ``bias``: the call adds a relative attention bias, whose per-tile work and table gradients need registers
+    the plain tiles do not leave (H200, ``benchmarks/bench_bias.py --tiles``, forward+backward B4 S8192 H4):
+    the dK/dV kernel takes 32 query rows and two stages (D 128: causal 14.7 -> 10.3 ms, SLA 256/32 4.49 ->
+    3.42; 16 rows and 8 warps were slower, and 8 warps do not compile for every mask); at D <= 64 the forward
+    and dQ kernels also take 64 x 64 tiles of 4 warps (D 64: causal 24.0 -> 7.4 ms, SLA 9.5 -> 2.5; D 32:
+    15.1 -> 6.7 and 5.6 -> 2.3). At D 128 the smaller forward and dQ tiles were slower.
     """
     if interpreting:
         if sparse:
             return Tiles(Tile(16, 16, 4, 1), Tile(16, 16, 4, 1), Tile(16, 32, 4, 1))
         return Tiles(Tile(32, 16, 4, 1), Tile(16, 32, 4, 1), Tile(16, 32, 4, 1))
     d = max(dim_qk, dim_v)
-    if 64 < d <= 128 and bias:
-        chosen = default_tiles(dim_qk, dim_v, interpreting, sparse)
-        return chosen._replace(dkdv=Tile(32, 64, 4, 2))
+    if d <= 64 and bias:
+        return Tiles(Tile(64, 64, 4, 3), Tile(64, 64, 4, 3), Tile(32, 64, 4, 2))
+    if d <= 128 and bias:
+        return default_tiles(dim_qk, dim_v, interpreting, sparse)._replace(dkdv=Tile(32, 64, 4, 2))
     if d <= 128 and sparse:
         return Tiles(Tile(64, 64, 4, 3), Tile(64, 64, 4, 2), Tile(32, 64, 4, 3))
     if d <= 64:
