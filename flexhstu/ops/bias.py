@@ -6,6 +6,7 @@ local positions ``i`` for the query and ``j`` for the key, sequence length ``L``
     bias(i, j) = pos_w[clamp(j - i + P - 1, 0, 2P - 2)] + ts_w[bucket(next_ts(i) - ts(j))]
     next_ts(i) = ts(i + 1) if i + 1 < L else ts(i)      # the query's next event; the last row its own
     bucket(g)  = clamp(floor(ln(max(|g|, 1)) / 0.301), 0, num_buckets)
+    g          = next_ts(i) - ts(j) in int64, saturated at +-(2^63 - 1) (``time_gap``)
 
 ``pos_w`` has ``2P - 1`` entries (``P`` the longest sequence it was made for); a relative position
 beyond the table takes the entry at its nearer end. ``ts_w`` has ``num_buckets + 1`` entries (the last
@@ -44,10 +45,22 @@ class RelativeBias(NamedTuple):
         return self.ts_w.shape[-1] - 1
 
 
+_INT64_MAX = torch.iinfo(torch.int64).max
+
+
+def time_gap(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a - b`` for int64 times, saturated to ``[-(2^63 - 1), 2^63 - 1]`` instead of wrapping: times that span
+    2^63 units or more (nonsense, but no check can see it without reading the device) fall in the top
+    bucket, as their true gap does, instead of wrapping around to a small one."""
+    d = a - b
+    wrapped = ((a ^ b) & (a ^ d)) < 0  # a and b of opposite signs, and d of b's sign: the subtraction overflowed
+    return torch.where(wrapped, torch.where(a < 0, -_INT64_MAX, _INT64_MAX), d.clamp(min=-_INT64_MAX))
+
+
 def time_bucket(gap: torch.Tensor, num_buckets: int) -> torch.Tensor:
     """``clamp(floor(ln(max(|gap|, 1)) / 0.301), 0, num_buckets)`` as int64, elementwise."""
     # float64: an int64 gap of seconds is exact there, so the bucket edges do not move with rounding.
-    log = torch.log(gap.abs().clamp(min=1).to(torch.float64))
+    log = torch.log(gap.clamp(min=-_INT64_MAX).abs().clamp(min=1).to(torch.float64))
     return torch.floor(log / BUCKET_LOG_DIVISOR).to(torch.int64).clamp(0, num_buckets)
 
 
@@ -96,7 +109,7 @@ def check_rab(rab: object, q: torch.Tensor, batch: int, max_seq_len: int) -> Non
 
 
 def dense_relative_bias(bias: RelativeBias, seq_offsets: torch.Tensor, n: int) -> torch.Tensor:
-    """The bias of every (query, key) pair, padded: ``(B, Hb, n, n)`` in the tables' dtype.
+    """The bias of every (query, key) pair, padded: ``(B, Hb, n, n)``, float32 (float64 for float64 tables).
 
     ``Hb`` is 1 when both tables are shared, else H. Rows and columns past a sequence's end hold
     values of no meaning (the caller masks them); ``n`` is at least every length; ``total >= 1``.
@@ -109,8 +122,10 @@ def dense_relative_bias(bias: RelativeBias, seq_offsets: torch.Tensor, n: int) -
     ts = bias.timestamps.to(torch.int64)
     has_next = (pos[None, :] + 1) < lengths[:, None]
     next_ts = torch.where(has_next, ts[(rows + 1).clamp(max=last)], ts[rows])
-    bucket = time_bucket(next_ts[:, :, None] - ts[rows][:, None, :], bias.num_buckets)  # (B, n, n)
+    bucket = time_bucket(time_gap(next_ts[:, :, None], ts[rows][:, None, :]), bias.num_buckets)  # (B, n, n)
     half = (bias.pos_w.shape[-1] - 1) // 2  # P - 1
     rel = (pos[None, :] - pos[:, None] + half).clamp(0, 2 * half)  # (n, n): j - i + P - 1
-    pos_w, ts_w = (w if w.dim() == 2 else w[None] for w in (bias.pos_w, bias.ts_w))  # (1 or H, ...)
+    # Summed in float32 at least, as the kernels do (half tables would round the sum of two entries).
+    dtype = torch.promote_types(torch.promote_types(bias.pos_w.dtype, bias.ts_w.dtype), torch.float32)
+    pos_w, ts_w = ((w if w.dim() == 2 else w[None]).to(dtype) for w in (bias.pos_w, bias.ts_w))  # (1 or H, ...)
     return pos_w[:, rel][None] + ts_w[:, bucket].transpose(0, 1)

@@ -126,6 +126,28 @@ def test_bucket_edges_follow_the_log_scale_and_clamp():
         assert got[0, 0].item() == want == bucket_of(gap, nb), gap  # row 0 reads next = gap, key 0 is at time 0
 
 
+def test_gaps_beyond_int64_saturate_into_the_top_bucket():
+    # Times at both ends of int64: their differences overflow; the gap saturates at 2^63 - 1 (bucket 145 of 200)
+    # instead of wrapping around to a small one.
+    big = 2**63 - 1
+    times = [-big - 1, big, 0, -5, big - 3]
+    bias = RelativeBias(torch.zeros(9), torch.arange(201.0), torch.tensor(times))
+    got = dense_relative_bias(bias, offsets_from([5]), 5)[0, 0]
+    nexts = times[1:] + times[-1:]
+    want = [[float(bucket_of(max(min(a - b, big), -big), 200)) for b in times] for a in nexts]
+    assert got.tolist() == want
+    assert want[0][0] == 145.0 and want[1][2] == 0.0  # big - (-big - 1) saturates; 0 - 0 is 0
+
+
+def test_half_tables_are_summed_in_float32():
+    g = torch.Generator().manual_seed(0)
+    pos_w, ts_w = torch.randn(7, generator=g).half(), torch.randn(31, generator=g).half()
+    ts, offs = torch.tensor([0, 7, 100, 5000]), offsets_from([4])
+    got = dense_relative_bias(RelativeBias(pos_w, ts_w, ts), offs, 4)
+    want = dense_relative_bias(RelativeBias(pos_w.float(), ts_w.float(), ts), offs, 4)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+
+
 def test_dense_rab_gives_the_table_path_output_and_its_gradients():
     lengths, n = LENGTHS, 12  # max_seq_len above the longest sequence: rab is (B, H, 12, 12)
     offs = offsets_from(lengths)

@@ -71,6 +71,15 @@ def make_times(lengths, kind, seed=0, num_buckets=40):
                 t[1::4] = t[0::4][: t[1::4].numel()]  # equal times: gap 0
             else:
                 t = 1_700_000_000 + torch.cumsum(gaps[torch.randint(0, 8, (n,), generator=g)], 0)
+        elif kind == "epoch-ns":
+            # Nanoseconds since 1970 (~1.7e18, far above 2^53): narrow chunks whose float64 bases would round.
+            t = 1_700_000_000_000_000_000 + torch.cumsum(gaps[torch.randint(0, len(gaps), (n,), generator=g)], 0)
+        elif kind == "extreme":
+            # Times at both ends of int64 and near 0, in no order: gaps that overflow int64 (they saturate into
+            # the top bucket) beside small ones, in every tile.
+            big = 2**63 - 1
+            ends = torch.tensor([-big - 1, -big + 7, big - 11, big, 0, 5, -3])
+            t = ends[torch.randint(0, len(ends), (n,), generator=g)]
         else:
             steps = gaps[torch.arange(n) % len(gaps)] * torch.where(torch.arange(n) % 3 == 2, -1, 1)
             t = 10**9 + torch.cumsum(steps, 0)
@@ -316,6 +325,13 @@ def test_an_empty_batch_gives_zero_table_gradients():
     out = flexhstu.hstu_mha(4, None, q, k, v, offsets_from([0, 0]).to(DEVICE), rel_bias=rel, kernel=Kernel.TRITON)
     dpos, dts = torch.autograd.grad(out.sum(), (pos_w, ts_w))
     assert (dpos == 0).all() and (dts == 0).all() and dts.shape == ts_w.shape
+
+
+@pytest.mark.parametrize("times", ["epoch-ns", "extreme"])
+def test_any_int64_times_are_exact(times):
+    # Absolute times past 2^53 (float64 bases would round) and times whose gaps overflow int64: 150 buckets, so
+    # the top buckets (reached only by gaps past 2^62) and the unreachable ones (edges past 2^63) are there too.
+    check_against_reference([45, 23, 38], "causal", per_head=False, positions=50, num_buckets=150, times=times)
 
 
 @pytest.mark.parametrize("mask", ["causal", "sla"])

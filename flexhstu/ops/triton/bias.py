@@ -13,15 +13,18 @@ What is made once per call, on the device, with torch ops (no host read; ``prepa
   gradient into the end entries (what the clamp of the rule does);
 * the **time-bucket table**, float32, and its gradient buffer;
 * per jagged row, its event time and its next event time as int32 offsets from the earliest of the
-  row's *chunk* (its sequence's rows ``256 c .. 256 c + 255``), and that chunk minimum as float64 (its
-  ``base``). Every tile's rows lie in one chunk and so do its keys (blocks are powers of two up to
-  ``CHUNK``), so a tile reads int32 vectors and two scalar bases: ``gap = a - b + D`` with
-  ``D = base_rows - base_keys``, exact while a chunk spans less than ``2^31 - 1`` time units (68 years in
-  seconds, 24.8 days in milliseconds). int32 keeps a tile's per-key time vector at 16 registers where
-  float64 needs 32, which the dK/dV kernel (k, v and both accumulators held throughout) cannot spare. A
-  *wide* chunk (a larger span) gets the base NaN, found on the device without a host read; a tile whose
-  ``D`` is NaN takes the exact path of ``_wide_times`` / ``_wide_far`` (int64 times, compared per pair
-  with per-row int64 thresholds) instead, so any times give the reference's buckets;
+  row's *chunk* (its sequence's rows ``256 c .. 256 c + 255``), and that chunk minimum, counted from the
+  sequence's earliest time, as float64 (its ``base``: exact below ``BASE_SPAN`` whatever the absolute
+  times, nanoseconds since 1970 included). Every tile's rows lie in one chunk and so do its keys (blocks
+  are powers of two up to ``CHUNK``), so a tile reads int32 vectors and two scalar bases:
+  ``gap = a - b + D`` with ``D = base_rows - base_keys``, exact while a chunk spans less than
+  ``2^31 - 1`` time units (68 years in seconds, 24.8 days in milliseconds). int32 keeps a tile's per-key
+  time vector at 16 registers where float64 needs 32, which the dK/dV kernel (k, v and both accumulators
+  held throughout) cannot spare. A *wide* chunk (a larger span, or a minimum ``BASE_SPAN`` or more after
+  its sequence's start) gets the base NaN, found on the device without a host read; a tile whose ``D``
+  is NaN takes the exact path of ``_wide_times`` / ``_wide_far`` (int64 times, compared per pair with
+  per-row int64 thresholds that never wrap) instead, so any int64 times give the reference's buckets
+  (whose gaps saturate at ``2^63 - 1``: ``flexhstu.ops.bias.time_gap``);
 * the **bucket edges** (``bucket_edges``): ``E[k]``, the smallest integer gap whose bucket is at least
   ``k``, found on the host with the reference's own float64 formula (``flexhstu.ops.bias.time_bucket``)
   and cached per ``num_buckets`` and device, as float64 and as int32 (saturated). ``bucket(g)`` is then
@@ -78,7 +81,7 @@ position entries, the times, even the loads that depend on the tile's bucket ran
 shared-memory copies, which measured 2.5x slower on the H200 than plain loads; and a loop directly in the
 main loop's body (the bucket edges beyond UNROLLED) stops it from pipelining the K/V loads at all."""
 
-_EDGES: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+_EDGES: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor, int]] = {}
 
 
 def bucket_edges(num_buckets: int) -> list[float]:
@@ -89,7 +92,7 @@ def bucket_edges(num_buckets: int) -> list[float]:
     gap: the formula is non-decreasing in ``|g|`` and each edge is checked against its neighbours.
     """
     k = torch.arange(1, num_buckets + 1, dtype=torch.int64)
-    top = 2**62  # bucket(2^62) = 142: no int64 gap reaches a bucket above time_bucket(top)
+    top = 2**63 - 1  # the largest gap (time_gap saturates there): no int64 gap reaches a bucket above its own
     reached = time_bucket(torch.full_like(k, top), num_buckets) >= k
     # Binary search, all buckets at once: time_bucket(lo) < k <= time_bucket(hi).
     lo, hi = torch.zeros_like(k), torch.full_like(k, top)
@@ -102,22 +105,24 @@ def bucket_edges(num_buckets: int) -> list[float]:
     return [-1.0, *(float(e) if ok else math.inf for e, ok in zip(hi.tolist(), reached.tolist())), math.inf]
 
 
-def edges_tensors(num_buckets: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def edges_tensors(num_buckets: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
     """``bucket_edges`` as float64 and as int32 (saturated at ``2^31 - 1``) device tensors ``(num_buckets + 2,)``,
-    made once per (num_buckets, device). The first call for a device copies from the host: make it before
-    capturing a CUDA graph."""
+    and the highest bucket an int64 gap reaches (the number of finite edges), made once per (num_buckets,
+    device). The first call for a device copies from the host: make it before capturing a CUDA graph."""
     key = (num_buckets, torch.device(device))
     if key not in _EDGES:
-        edges = torch.tensor(bucket_edges(num_buckets), dtype=torch.float64)
+        values = bucket_edges(num_buckets)
+        edges = torch.tensor(values, dtype=torch.float64)
         edges32 = edges.clamp(max=INT32_SPAN).to(torch.int32)
-        _EDGES[key] = (edges.to(device), edges32.to(device))
+        _EDGES[key] = (edges.to(device), edges32.to(device), sum(math.isfinite(e) for e in values[1:-1]))
     return _EDGES[key]
 
 
 class Bias(NamedTuple):
     """What the kernels read (a tuple argument, field by field). ``pos`` / ``ts``: float32 ``(Hb, n)`` tables
     (``*_stride_h`` 0 when shared by the heads); ``pos_center``: the slot of relative position 0;
-    ``edges`` / ``edges32``: ``(num_buckets + 2,)`` float64 / int32; ``time32`` / ``next32``: int32
+    ``max_bucket``: the highest bucket an int64 gap
+    reaches; ``edges`` / ``edges32``: ``(num_buckets + 2,)`` float64 / int32; ``time32`` / ``next32``: int32
     ``(total,)`` offsets of each row's time and next time from ``time_base`` / ``next_base``, float64
     ``(total,)``, their chunk's minimum, or NaN for a *wide* chunk (one whose times span ``INT32_SPAN`` or
     more: its offsets are saturated and unused); ``time64`` / ``next64``: the int64 times themselves, read
@@ -132,6 +137,7 @@ class Bias(NamedTuple):
     ts: torch.Tensor
     ts_stride_h: int
     num_buckets: int
+    max_bucket: int
     edges: torch.Tensor
     edges32: torch.Tensor
     time32: torch.Tensor
@@ -158,18 +164,29 @@ def _heads(w: torch.Tensor) -> torch.Tensor:
     return (w if w.dim() == 2 else w[None]).to(torch.float32).contiguous()
 
 
-def _chunked(values: torch.Tensor, chunk: torch.Tensor, nchunks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``values`` (int64) as int32 offsets from their chunk's minimum, and that minimum per row as float64, NaN
-    for the rows of a chunk whose values span ``INT32_SPAN`` or more (device ops only, no host read): tiles
-    that meet such a chunk take the exact int64 path (``add_bias``), whatever the times are."""
+BASE_SPAN = 2**52
+"""A chunk's minimum must lie less than this after its sequence's earliest time for its float64 base to be
+exact, and so the difference of two bases (``d``) and every threshold a tile compares with."""
+
+
+def _chunked(values: torch.Tensor, chunk: torch.Tensor, nchunks: int,
+             origin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``values`` (int64) as int32 offsets from their chunk's minimum, and that minimum per row as float64,
+    counted from ``origin`` (the row's sequence's earliest time, so any absolute times give exact bases); NaN
+    for the rows of a chunk whose values span ``INT32_SPAN`` or more or whose minimum is ``BASE_SPAN`` or more
+    after the origin (device ops only, no host read): tiles that meet such a chunk take the exact int64 path
+    (``add_bias``), whatever the times are. Differences that overflow int64 wrap negative: wide as well."""
     big = torch.iinfo(torch.int64).max
     low = torch.full((nchunks,), big, dtype=torch.int64, device=values.device).scatter_reduce(0, chunk, values, "amin")
     high = torch.full((nchunks,), -big - 1, dtype=torch.int64, device=values.device).scatter_reduce(
         0, chunk, values, "amax")
-    wide = (high - low >= INT32_SPAN)[chunk]
-    rel = values - low[chunk]
-    base = low[chunk].to(torch.float64).masked_fill(wide, math.nan)
-    return rel.clamp(max=INT32_SPAN).to(torch.int32), base
+    span = high - low  # >= 0 unless it wrapped
+    low_rows = low[chunk]
+    after = low_rows - origin  # >= 0 unless it wrapped
+    wide = ((span < 0) | (span >= INT32_SPAN))[chunk] | (after < 0) | (after >= BASE_SPAN)
+    rel = values - low_rows
+    base = after.to(torch.float64).masked_fill(wide, math.nan)
+    return rel.clamp(min=0, max=INT32_SPAN).to(torch.int32), base
 
 
 def prepare(rel_bias: RelativeBias, seq_offsets: torch.Tensor, total: int, with_grads: bool) -> Prepared:
@@ -192,16 +209,19 @@ def prepare(rel_bias: RelativeBias, seq_offsets: torch.Tensor, total: int, with_
     # Chunk c of sequence b gets flat slot offs[b] // CHUNK + b + c (as the block tables): no prefix sum.
     chunk = seq_offsets[seq] // CHUNK + seq + i // CHUNK
     nchunks = total // CHUNK + seq_offsets.numel()
-    time32, time_base = _chunked(times, chunk, nchunks)
-    next32, next_base = _chunked(nxt, chunk, nchunks)
+    big = torch.iinfo(torch.int64).max
+    seq_low = torch.full((seq_offsets.numel() - 1,), big, dtype=torch.int64, device=times.device).scatter_reduce(
+        0, seq, times, "amin")[seq]  # every row's sequence's earliest time: the origin of its chunk bases
+    time32, time_base = _chunked(times, chunk, nchunks, seq_low)
+    next32, next_base = _chunked(nxt, chunk, nchunks, seq_low)
     wide_row = (time_base.isnan() | next_base.isnan()).to(torch.int32)
     seq_wide = torch.zeros(seq_offsets.numel() - 1, dtype=torch.int32, device=times.device).scatter_reduce_(
         0, seq, wide_row, "amax")
-    edges, edges32 = edges_tensors(ts.shape[1] - 1, times.device)
+    edges, edges32, max_bucket = edges_tensors(ts.shape[1] - 1, times.device)
     dpos = torch.zeros_like(pos) if with_grads else pos.new_empty(0)
     dts = torch.zeros_like(ts) if with_grads else ts.new_empty(0)
     args = Bias(pos, pos.stride(0) if pos.shape[0] > 1 else 0, pad + half, ts, ts.stride(0) if ts.shape[0] > 1 else 0,
-                ts.shape[1] - 1, edges, edges32, time32, time_base, next32, next_base, times.contiguous(),
+                ts.shape[1] - 1, max_bucket, edges, edges32, time32, time_base, next32, next_base, times.contiguous(),
                 nxt.contiguous(), seq_wide, dpos, dts)
     return Prepared(args, pad, n_pos)
 
@@ -310,27 +330,38 @@ def query_major_bias(s, bias, brows, h, seq_start, L, rows, cols, n0, WIDE: tl.c
 
 @triton.jit
 def _wide_times(bias, seq_start, L, rows, cols):
-    """A tile that meets a wide chunk: its rows' next times and its keys' times as int64 vectors, and the buckets
-    of its smallest and largest gap (``tile_buckets`` on exact int64 extremes)."""
+    """A tile that meets a wide chunk: its rows' next times and its keys' times as int64 vectors, and a range of
+    buckets that holds every pair's: the gaps' bounds in float64 (no int64 difference, which could wrap), whose
+    rounding the range absorbs by one bucket on each side."""
     ta = _at(bias.next64, seq_start, L, rows)
     tb = _at(bias.time64, seq_start, L, cols)
-    lo, hi = tile_buckets(bias, tl.min(ta, axis=0), tl.max(ta, axis=0), tl.min(tb, axis=0), tl.max(tb, axis=0), 0.0)
-    return ta, tb, lo, hi
+    lo = tl.min(ta, axis=0).to(tl.float64) - tl.max(tb, axis=0).to(tl.float64)
+    hi = tl.max(ta, axis=0).to(tl.float64) - tl.min(tb, axis=0).to(tl.float64)
+    gmin = tl.where(lo >= 0, lo, tl.where(hi <= 0, -hi, 0.0))
+    gmax = tl.maximum(hi, -lo)
+    b_lo = tl.maximum(bucket_of(bias, gmin) - 1, 0)
+    b_hi = tl.minimum(bucket_of(bias, gmax) + 1, bias.max_bucket)
+    return ta, tb, b_lo, b_hi
 
 
 @triton.jit
 def _wide_far(bias, k, ta, tb, TRANS: tl.constexpr):
     """Pairs with ``|ta - tb| >= E_k``, as ``tb <= ta - E_k`` or ``tb >= ta + E_k``: per-row int64 thresholds
-    against per-key int64 times, no 64-bit value per pair (times within +-2^62; edges past 2^62 are never
-    reached, their float64 value ``inf`` is held as 2^62)."""
-    e = tl.minimum(tl.load(bias.edges + k), 4611686018427387904.0).to(tl.int64)
+    against per-key int64 times, no 64-bit value per pair. Exact for any int64 times: a threshold beyond the
+    int64 range (it would wrap) is one no time reaches. Only edges up to ``max_bucket`` (finite) are asked."""
+    e = tl.minimum(tl.load(bias.edges + k), 9223372036854774784.0).to(tl.int64)  # k <= max_bucket: finite
     below = ta - e
     above = ta + e
+    # Wrapped (e >= 0, so a wrapped threshold lies on the wrong side of ta): no int64 time is that far.
+    below_none = below > ta
+    above_none = above < ta
     # One return: Triton types every return of a function, a constexpr branch's too (tiles need not be square).
     if TRANS:
-        far = (tb[:, None] <= below[None, :]) | (tb[:, None] >= above[None, :])
+        far = ((tb[:, None] <= below[None, :]) & ~below_none[None, :]) | (
+            (tb[:, None] >= above[None, :]) & ~above_none[None, :])
     else:
-        far = (tb[None, :] <= below[:, None]) | (tb[None, :] >= above[:, None])
+        far = ((tb[None, :] <= below[:, None]) & ~below_none[:, None]) | (
+            (tb[None, :] >= above[:, None]) & ~above_none[:, None])
     return far
 
 
