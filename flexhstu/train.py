@@ -186,6 +186,10 @@ def parse(argv=None) -> argparse.Namespace:
         if a.data != "synthetic" and given is not None:
             p.error(f"--{key.replace('_', '-')}: expected --data synthetic, got --data {a.data}")
         setattr(a, key, (default if given is None else given) if a.data == "synthetic" else None)
+    if a.no_rel_bias and a.model != "hstu":
+        p.error(f"--no-rel-bias: expected --model hstu (the only model with a relative bias), got --model {a.model}")
+    if a.no_task_tokens and a.model != "onerank":
+        p.error(f"--no-task-tokens: expected --task ranking --model onerank, got --model {a.model}")
     if a.model == "popularity" and a.shard_embeddings != "none":
         p.error("--shard-embeddings: expected none for --model popularity (it has no item table), "
                 f"got {a.shard_embeddings}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .._errors import bad_value
 from ..jagged import row_coords
 
 
@@ -32,6 +33,9 @@ class InputEncoder(nn.Module):
         nn.init.normal_(self.gaps.weight, std=0.02)
 
     def forward(self, item_ids: torch.Tensor, timestamps: torch.Tensor, seq_offsets: torch.Tensor) -> torch.Tensor:
+        if timestamps.shape != item_ids.shape:
+            raise bad_value("timestamps", f"one time per item, shape {tuple(item_ids.shape)}",
+                            f"shape {tuple(timestamps.shape)}")
         _, i, length = row_coords(seq_offsets, item_ids.numel())
         back = (length - 1 - i).clamp(0, self.max_len - 1)
         gaps = time_gap_buckets(timestamps, seq_offsets, self.num_time_buckets)

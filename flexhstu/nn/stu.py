@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -61,13 +62,16 @@ class STULayerConfig:
             raise bad_type("compile_backend", "a torch.compile backend name", type(self.compile_backend).__name__)
         if not isinstance(self.rel_bias, bool):
             raise bad_type("rel_bias", "a bool", type(self.rel_bias).__name__)
-        if self.rel_bias and (isinstance(self.rel_bias_max_len, bool) or not isinstance(self.rel_bias_max_len, int)
-                              or self.rel_bias_max_len < 1):
+        if self.rel_bias and (not _is_int(self.rel_bias_max_len) or self.rel_bias_max_len < 1):
             raise bad_value("rel_bias_max_len", "a positive int (the longest sequence) with rel_bias",
                             self.rel_bias_max_len)
-        if isinstance(self.rel_bias_buckets, bool) or not isinstance(self.rel_bias_buckets, int) \
-                or self.rel_bias_buckets < 0:
+        if not _is_int(self.rel_bias_buckets) or self.rel_bias_buckets < 0:
             raise bad_value("rel_bias_buckets", "a non-negative int", self.rel_bias_buckets)
+
+
+def _is_int(x: object) -> bool:
+    """An integer, Python's or numpy's (``numbers.Integral``), and not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 class STULayer(nn.Module):

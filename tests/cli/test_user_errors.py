@@ -36,6 +36,9 @@ def _status(argv) -> int:
     (["train", "--device", "cuda", "--data", "synthetic"], "--device: expected cpu (CUDA is not available here)"),
     (["train", "--data", "/nonexistent/ratings.csv"], "--data: expected ml-100k, synthetic or a ratings file"),
     (["train", "--batch-size", "0"], "argument --batch-size: expected an integer >= 1, got 0"),
+    (["train", "--model", "sasrec", "--no-rel-bias"], "--no-rel-bias: expected --model hstu"),
+    (["train", "--model", "popularity", "--no-rel-bias"], "--no-rel-bias: expected --model hstu"),
+    (["train", "--no-task-tokens"], "--no-task-tokens: expected --task ranking --model onerank, got --model hstu"),
 ])
 def test_a_mistake_is_one_line_and_status_2(tmp_path, capsys, monkeypatch, argv, fragment):
     if argv[0] == "train":

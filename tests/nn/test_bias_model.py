@@ -73,6 +73,22 @@ def test_config_refuses_a_bias_without_a_position_table():
         STULayerConfig(rel_bias=True)
 
 
+def test_config_takes_numpy_integers_and_refuses_floats():
+    cfg = STULayerConfig(rel_bias=True, rel_bias_max_len=np.int64(8), rel_bias_buckets=np.int32(4))
+    assert cfg.rel_bias_max_len == 8 and cfg.rel_bias_buckets == 4
+    with pytest.raises(ValueError, match=r"rel_bias_max_len: expected a positive int .*got 8.0"):
+        STULayerConfig(rel_bias=True, rel_bias_max_len=8.0)
+
+
+def test_timestamps_of_another_length_than_the_items_are_an_error_naming_them():
+    from flexhstu.nn import InputEncoder
+
+    enc = InputEncoder(10, 8, 16)
+    offs = offsets_from([3, 4])
+    with pytest.raises(ValueError, match=r"timestamps: expected one time per item, shape \(7,\), got shape \(6,\)"):
+        enc(torch.arange(1, 8), torch.arange(6), offs)
+
+
 @pytest.mark.parametrize("rel_bias", [True, False])
 def test_hstu_retrieval_trains_with_and_without_the_bias(rel_bias):
     rng = np.random.default_rng(0)
