@@ -79,6 +79,16 @@ def mask_case(name, offs, lengths, heads):
         return dict(attn_func=masks.sla(offs, 20, 4))
     if name == "sla-widened-7":
         return dict(attn_func=masks.widen(masks.sla(offs, 20, 4), 7))
+    if name == "sla-widened-5-mixed":
+        # Interval 2 live on some rows only: query blocks of two intervals (the kernels' two-interval copy of the
+        # walk) beside blocks of three (the general copy), in one call.
+        func = masks.widen(masks.sla(offs, 20, 4), 5).clone()
+        rows = torch.arange(t)
+        local = rows - offs[torch.searchsorted(offs, rows, right=True) - 1]
+        live = (local >= 35) & (local % 7 != 0)
+        func[0, 3] = torch.where(live, local // 3, 0).to(func.dtype)
+        func[0, 4] = torch.where(live, local // 3 + 4, 0).to(func.dtype)
+        return dict(attn_func=func)
     if name == "onerank":
         return dict(attn_func=masks.onerank(offs, torch.tensor([(L // 3) // 4 * 4 for L in lengths]), 4))
     if name == "causal-func":
@@ -94,7 +104,8 @@ def mask_case(name, offs, lengths, heads):
     raise KeyError(name)
 
 
-CASES = ["causal", "non-causal", "fixed", "fixed-targets", "sla", "sla-widened-7", "onerank", "causal-func",
+CASES = ["causal", "non-causal", "fixed", "fixed-targets", "sla", "sla-widened-7", "sla-widened-5-mixed", "onerank",
+         "causal-func",
          "random-per-head-5", "random-7", "random-9", "stride0-expanded"]
 
 
