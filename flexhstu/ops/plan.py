@@ -30,6 +30,21 @@ def _same_tensor(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
             and a.device == b.device and a.dtype == b.dtype)
 
 
+def _version(t: torch.Tensor | None) -> int | None:
+    """``t``'s in-place version counter (host metadata), None for no tensor or an inference-mode tensor, which
+    has none."""
+    if t is None:
+        return None
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
+def _versions(seq_offsets: torch.Tensor, mask: torch.Tensor | FixedRule) -> tuple:
+    return _version(seq_offsets), _version(mask if isinstance(mask, torch.Tensor) else mask.num_targets)
+
+
 def _describe(mask: torch.Tensor | FixedRule) -> str:
     if isinstance(mask, torch.Tensor):
         return f"attn_func of shape {tuple(mask.shape)} at {mask.data_ptr():#x}"
@@ -57,6 +72,7 @@ class AttnPlan:
                  sparse: bool | None):
         self.seq_offsets, self.total, self.max_seq_len = seq_offsets, total, max_seq_len
         self.mask, self.sparse = mask, sparse
+        self._versions = _versions(seq_offsets, mask)
         self._block = None
 
     @property
@@ -100,6 +116,10 @@ class AttnPlan:
         if not _same_mask(mask, self.mask):
             raise bad_value("attn_plan", f"a plan for the call's mask, {_describe(mask)}",
                             f"a plan for {_describe(self.mask)}")
+        if _versions(seq_offsets, mask) != self._versions:
+            raise bad_value("attn_plan", "a plan built after the last in-place change of seq_offsets, attn_func or "
+                            "num_targets (build_plan again)", "a plan built before such a change (the plan "
+                            "holds block tables of the old values)")
 
     def check_triton_call(self, seq_offsets: torch.Tensor, total: int, *, func, num_targets, causal_closed_form: bool,
                           contextual: int, window: int, min_full: int) -> None:

@@ -123,6 +123,23 @@ def test_a_plan_of_another_total_is_refused():
         _call(plan, offs, sum(LENGTHS), causal_closed_form=True)
 
 
+@pytest.mark.parametrize("changed", ["seq_offsets", "attn_func", "num_targets"])
+def test_a_plan_whose_tensors_changed_in_place_is_refused(changed):
+    # The plan's block tables hold the old values: using it would be a silent wrong answer (audit finding).
+    offs = offsets_from(LENGTHS).to(DEVICE)
+    total = sum(LENGTHS)
+    func = masks.sla(offs, 20, 4)
+    nt = torch.tensor([3, 0, 5, 1], device=DEVICE)
+    margs = {"seq_offsets": dict(causal_closed_form=True), "attn_func": dict(func=func),
+             "num_targets": dict(num_targets=nt)}[changed]
+    plan_args = {"seq_offsets": {}, "attn_func": dict(attn_func=func), "num_targets": dict(num_targets=nt)}[changed]
+    plan = build_plan(offs, total=total, max_seq_len=70, **plan_args)
+    _call(plan, offs, total, **margs)  # accepted before the change
+    {"seq_offsets": offs, "attn_func": func, "num_targets": nt}[changed].add_(0)  # same values, a new version
+    with pytest.raises(ValueError, match="attn_plan: expected a plan built after the last in-place change"):
+        _call(plan, offs, total, **margs)
+
+
 @pytest.mark.parametrize("call_mask", ["other-func", "causal", "fixed-window"])
 def test_a_plan_of_another_mask_is_refused(call_mask):
     offs = offsets_from(LENGTHS).to(DEVICE)
