@@ -45,6 +45,10 @@ def triton_unsupported_reason(
         return f"q.device: expected CUDA for Kernel.TRITON (or the CPU under TRITON_INTERPRET=1), got {q.device}"
     if q.dtype not in TRITON_DTYPES:
         return f"q.dtype: expected float16, bfloat16 or float32 for Kernel.TRITON, got {q.dtype}"
+    if q.dtype == torch.bfloat16 and not q.is_cuda:
+        # Triton's interpreter computes tl.dot on bfloat16 tiles wrongly (outputs off by orders of magnitude).
+        return ("q.dtype: expected float16 or float32 for Kernel.TRITON on the CPU (Triton's interpreter gets "
+                "bfloat16 dots wrong; Kernel.PYTORCH runs it), got torch.bfloat16")
     for name, d in (("q.shape[2] (Dqk)", q.shape[2]), ("v.shape[2] (Dv)", v.shape[2])):
         if not head_dim_supported(d):
             return f"{name}: expected a head dim from {MIN_HEAD_DIM} to {MAX_HEAD_DIM} for Kernel.TRITON, got {d}"
