@@ -171,6 +171,7 @@ def from_dense(dense: torch.Tensor, seq_offsets: torch.Tensor, *, nfunc: int | N
         raise bad_value("dense", "shape (B, [Hf,] N, N)", f"shape {tuple(dense.shape)}")
     if nfunc is not None:
         check_nfunc(nfunc)
+    check_offsets_values(seq_offsets)  # this function reads values anyway (a sync on CUDA)
     offs = seq_offsets.to(device=dense.device, dtype=torch.int64)
     bsz, hf, n = dense.shape[0], dense.shape[1], dense.shape[-1]
     if offs.numel() - 1 != bsz:
@@ -178,6 +179,8 @@ def from_dense(dense: torch.Tensor, seq_offsets: torch.Tensor, *, nfunc: int | N
     lengths = offs[1:] - offs[:-1]
     if bool((lengths > n).any()):
         raise bad_value("dense", f"N >= every sequence length ({int(lengths.max())})", f"N = {n}")
+    if n == 0:  # every sequence is empty
+        return torch.zeros(hf, nfunc or 1, 0, dtype=torch.int32, device=dense.device)
     pos = torch.arange(n, device=dense.device)
     valid = pos[None, :] < lengths[:, None]
     d = dense & valid[:, None, :, None] & valid[:, None, None, :]
@@ -224,6 +227,8 @@ def count_visible(func: torch.Tensor, seq_offsets: torch.Tensor) -> torch.Tensor
     check_offsets_meta(seq_offsets)
     check_func_meta(func)
     total = func.shape[2]
+    if can_read_values(seq_offsets):
+        check_offsets_values(seq_offsets, total=total)
     if total == 0:
         return torch.zeros(func.shape[0], dtype=torch.int64, device=func.device)
     _, _, length = row_coords(seq_offsets.to(func.device), total)

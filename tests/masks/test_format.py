@@ -148,3 +148,25 @@ def test_count_visible_equals_the_dense_count(lengths, seed, hf, nfunc):
     func = random_func(lengths, nfunc, hf, seed)
     dense = masks.to_dense(func, offs, max(max(lengths), 1))
     assert masks.count_visible(func, offs).tolist() == dense.sum(dim=(0, 2, 3)).tolist()
+
+
+@pytest.mark.parametrize("offs,msg", [
+    ([1, 4, 8], r"seq_offsets\[0\]: expected 0, got 1"),
+    ([0, 5, 3], r"seq_offsets: expected non-decreasing offsets"),
+])
+def test_from_dense_refuses_bad_offsets(offs, msg):
+    # Audit: [1, 4, 8] gave a func shifted by one row, [0, 5, 3] an IndexError.
+    dense = torch.ones(2, 6, 6, dtype=torch.bool)
+    with pytest.raises(ValueError, match=msg):
+        masks.from_dense(dense, torch.tensor(offs))
+
+
+def test_from_dense_of_empty_sequences_is_an_empty_func():
+    func = masks.from_dense(torch.ones(1, 0, 0, dtype=torch.bool), torch.tensor([0, 0]))
+    assert func.shape == (1, 1, 0)
+
+
+def test_count_visible_refuses_offsets_of_another_total():
+    func = masks.causal(torch.tensor([0, 3, 7]))
+    with pytest.raises(ValueError, match=r"seq_offsets\[-1\]: expected the number of rows of the data \(7\), got 9"):
+        masks.count_visible(func, torch.tensor([0, 3, 9]))
