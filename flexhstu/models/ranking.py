@@ -179,7 +179,9 @@ class OneRankModel(nn.Module):
         when the request has at least three micro-batches of at most ``serving.GRAPH_MAX_ROWS`` new rows (small,
         host-bound micro-batches). True needs CUDA tensors."""
         _check_eval(self)
-        batches = serving.micro_batches(cand_offsets, micro_batch)
+        if len(users) != cand_offsets.numel() - 1:
+            raise bad_value("users", f"one user per candidate sequence ({cand_offsets.numel() - 1})", len(users))
+        batches = serving.micro_batches(cand_offsets, micro_batch, total=cand_items.shape[0])
         if cuda_graphs and not cand_items.is_cuda:
             raise bad_value("cuda_graphs", "False or None for candidates on the CPU (CUDA graphs need CUDA tensors)",
                             f"True with cand_items on {cand_items.device}")

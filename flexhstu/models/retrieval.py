@@ -13,6 +13,7 @@ from torch import nn
 
 from .. import masks, serving
 from .._errors import bad_value
+from ..jagged import can_read_values, check_offsets_meta, check_offsets_values, row_coords
 from ..nn import InputEncoder, STULayerConfig, STUStack
 from ..ops import Kernel
 from ..serving import HistoryCache
@@ -156,14 +157,20 @@ class HSTURetrieval(_Retrieval):
         """Next-item scores ``(C,)`` of candidates ``cand_items (C,)`` (jagged by ``cand_offsets (B + 1,)``):
         cosine of each user's cached last state with the item, as ``scores`` computes it for every item.
         The candidates are read out, not attended, so no attention runs at request time."""
+        check_offsets_meta(cand_offsets, "cand_offsets")
+        if len(users) != cand_offsets.numel() - 1:
+            raise bad_value("users", f"one user per candidate sequence ({cand_offsets.numel() - 1})", len(users))
+        if can_read_values(cand_offsets):
+            check_offsets_values(cand_offsets, "cand_offsets", total=cand_items.shape[0])
         last = cache.last(users)
         empty = [u for u, h in zip(users, last) if h is None]
         if empty:
             raise bad_value("users", "users with a non-empty cached history (the state is the last row's)",
                             f"{empty[0]!r} with none")
         h = F.normalize(torch.stack(last), dim=-1)
-        n = cand_offsets.to(torch.int64).diff()
-        rows = torch.repeat_interleave(torch.arange(len(users), device=h.device), n, output_size=cand_items.shape[0])
+        # Each candidate's user by search: in bounds whatever the offsets hold (their values are read only on the
+        # CPU: no sync per request on CUDA).
+        rows = row_coords(cand_offsets.to(h.device), cand_items.shape[0])[0]
         return (h[rows] * self.item_table()[cand_items]).sum(-1)
 
 

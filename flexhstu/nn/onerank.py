@@ -8,6 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._errors import bad_value
+from ..jagged import can_read_values, check_offsets_meta, check_offsets_values, row_coords
+
 
 @dataclass
 class OneRankBatch:
@@ -38,6 +41,13 @@ class OneRankTokenizer(nn.Module):
         (N_b each)."""
         g = self.group_size
         k = g - 1
+        for arg, offs, rows in (("hist_offsets", hist_offsets, history), ("cand_offsets", cand_offsets, candidates)):
+            check_offsets_meta(offs, arg)
+            if can_read_values(offs):
+                check_offsets_values(offs, arg, total=rows.shape[0])
+        if hist_offsets.numel() != cand_offsets.numel():
+            raise bad_value("cand_offsets", f"one sequence per history ({hist_offsets.numel() - 1})",
+                            cand_offsets.numel() - 1)
         hist_offsets = hist_offsets.to(torch.int64)
         cand_offsets = cand_offsets.to(torch.int64)
         offsets = hist_offsets + cand_offsets * g
@@ -45,11 +55,11 @@ class OneRankTokenizer(nn.Module):
         n_cand = cand_offsets[1:] - cand_offsets[:-1]
         total = history.shape[0] + candidates.shape[0] * g
         dev = history.device
-        hist_seq = torch.repeat_interleave(torch.arange(hist_len.numel(), device=dev), hist_len,
-                                           output_size=history.shape[0])
+        # Each row's sequence by search: in bounds whatever the offsets hold (repeat_interleave with an output size
+        # writes past its output when the lengths do not add up to it; the values are checked only on the CPU).
+        hist_seq = row_coords(hist_offsets, history.shape[0])[0]
         hist_rows = offsets[:-1][hist_seq] + (torch.arange(history.shape[0], device=dev) - hist_offsets[:-1][hist_seq])
-        cand_seq = torch.repeat_interleave(torch.arange(n_cand.numel(), device=dev), n_cand,
-                                           output_size=candidates.shape[0])
+        cand_seq = row_coords(cand_offsets, candidates.shape[0])[0]
         local = torch.arange(candidates.shape[0], device=dev) - cand_offsets[:-1][cand_seq]
         cand_rows = offsets[:-1][cand_seq] + hist_len[cand_seq] + local * g
         task_rows = cand_rows[:, None] + 1 + torch.arange(k, device=dev)[None, :]

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .._errors import bad_value
+from ..jagged import check_offsets_meta, check_offsets_values, row_coords
 from ..nn import STULayer, STUStack
 from ..ops.delta import delta_hstu_mha
 from .cache import HistoryCache, JaggedHistory, UserHistory
@@ -52,8 +53,10 @@ def delta_layout(hist_offsets: torch.Tensor, new_offsets: torch.Tensor, total_hi
     hist_offsets, new_offsets = hist_offsets.to(torch.int64), new_offsets.to(torch.int64)
     users = torch.arange(hist_offsets.numel() - 1, device=hist_offsets.device)
     hist_len, new_len = hist_offsets.diff(), new_offsets.diff()
-    seq_h = torch.repeat_interleave(users, hist_len, output_size=total_hist)
-    seq_n = torch.repeat_interleave(users, new_len, output_size=total_new)
+    # Each row's user, from the offsets by search: in bounds whatever the offsets hold (repeat_interleave with
+    # an output size writes past its output when the lengths do not add up to it).
+    seq_h = row_coords(hist_offsets, total_hist)[0]
+    seq_n = row_coords(new_offsets, total_new)[0]
     hist_rows = torch.arange(total_hist, device=users.device) + new_offsets[seq_h]
     new_rows = torch.arange(total_new, device=users.device) + hist_offsets[seq_n + 1]
     layout = DeltaLayout(hist_offsets + new_offsets, hist_rows, new_rows, new_offsets, hist_len)
@@ -131,6 +134,7 @@ def prefill(stack: STUStack, cache: HistoryCache, users: Sequence[Hashable], x: 
     store each user's K and V (replacing what was cached) and return the outputs ``(T_h, D)``.
     ``mask`` is the histories' mask (causal when None). Reads the offsets once (a sync on CUDA)."""
     _check_users(users, seq_offsets)
+    _check_offsets(seq_offsets, "seq_offsets", x)
     history = empty_history(stack, len(users), x)
     out, ks, vs = stack_delta(stack, x, history, seq_offsets, max_seq_len=cache.max_seq_len, mask=mask)
     _store(cache.put, users, seq_offsets, out, ks, vs)
@@ -145,6 +149,7 @@ def extend(stack: STUStack, cache: HistoryCache, users: Sequence[Hashable], x: t
     Equal to ``prefill`` of the grown histories when the rows' inputs ``x`` are what a full run would give
     them and earlier rows never see later ones (causal-like masks)."""
     _check_users(users, new_offsets)
+    _check_offsets(new_offsets, "new_offsets", x)
     history = cache.gather(users)
     out, ks, vs = stack_delta(stack, x, history, new_offsets, max_seq_len=cache.max_seq_len, mask=mask)
     _store(cache.append, users, new_offsets, out, ks, vs)
@@ -158,6 +163,12 @@ def _store(write, users, offsets: torch.Tensor, out: torch.Tensor, ks: list, vs:
         # Copies: a view would keep the whole batch's tensors alive after other users are evicted.
         write(user, UserHistory([k[lo:hi].clone() for k in ks], [v[lo:hi].clone() for v in vs],
                                 out[hi - 1].clone() if hi > lo else None))
+
+
+def _check_offsets(offsets: torch.Tensor, arg: str, x: torch.Tensor) -> None:
+    """Offsets that jag the rows of ``x`` (read: prefill and extend read them anyway to store the cache)."""
+    check_offsets_meta(offsets, arg)
+    check_offsets_values(offsets, arg, total=x.shape[0])
 
 
 def _check_users(users: Sequence[Hashable], offsets: torch.Tensor) -> None:

@@ -19,15 +19,16 @@ class MicroBatch(NamedTuple):
     counts_tensor: torch.Tensor
 
 
-def micro_batches(cand_offsets: torch.Tensor, micro_batch: int | None) -> list[MicroBatch]:
+def micro_batches(cand_offsets: torch.Tensor, micro_batch: int | None, total: int | None = None) -> list[MicroBatch]:
     """Split each user's candidates (jagged by ``cand_offsets (B + 1,)``) into consecutive chunks of at most
     ``micro_batch`` (None: all at once). Micro-batch ``j`` holds candidates ``[j m, (j + 1) m)`` of every user
     that has them. Reads the offsets (one sync per request on CUDA) and moves every micro-batch's indices and
     counts to the device in one copy: a copy from pageable host memory waits for the device, so one per
-    micro-batch would keep the host from running ahead of the device."""
+    micro-batch would keep the host from running ahead of the device. ``total``: the number of candidates, which
+    the offsets must end at (unchecked when None)."""
     check_offsets_meta(cand_offsets, "cand_offsets")
     offs = cand_offsets.detach().to("cpu", torch.int64)
-    check_offsets_values(offs, "cand_offsets")
+    check_offsets_values(offs, "cand_offsets", total=total)
     counts = offs.diff().tolist()
     widest = max(counts, default=0)
     size = widest if micro_batch is None else as_int("micro_batch", micro_batch, minimum=1)

@@ -229,3 +229,41 @@ def test_scorer_inputs_refuse_a_history_gathered_with_room():
     _, cache = cached_ranking_model()
     with pytest.raises(ValueError, match=r"history: expected a history gathered without room .*got room=4"):
         serving.ScorerInputs.of(cache.gather(["a"], room=4), torch.tensor([1]), torch.tensor([1]))
+
+
+# Offsets that do not jag the rows they come with (bad-input audit): each used to abort the process (heap
+# corruption from repeat_interleave with an output size) or to score a candidate silently as 0.
+BAD_OFFSETS = [
+    ([0, 7, 5], r": expected non-decreasing offsets"),
+    ([0, 2, 4], r"\[-1\]: expected the number of rows of the data"),
+]
+
+
+@pytest.mark.parametrize("offs,msg", BAD_OFFSETS)
+def test_ranking_entry_points_refuse_offsets_that_do_not_jag_their_rows(offs, msg):
+    model, cache = cached_ranking_model()
+    hist, times, _, cands, _ = ranking_request()
+    bad = torch.tensor(offs)
+    with pytest.raises(ValueError, match="hist_offsets" + msg):
+        model(hist[:5], times[:5], bad, cands[:5], torch.tensor([0, 3, 5]))
+    with pytest.raises(ValueError, match=msg):
+        model.cache_histories(HistoryCache(1, 32), ["x", "y"], hist[:5], times[:5], bad)
+    with pytest.raises(ValueError, match="cand_offsets" + msg):
+        model.score_cached(cache, ["a", "b"], cands[:5], bad)
+    with pytest.raises(ValueError, match=r"users: expected one user per candidate sequence \(2\), got 3"):
+        model.score_cached(cache, ["a", "b", "c"], cands[:5], torch.tensor([0, 2, 5]))
+
+
+@pytest.mark.parametrize("offs,msg", BAD_OFFSETS)
+def test_retrieval_entry_points_refuse_offsets_that_do_not_jag_their_rows(offs, msg):
+    torch.manual_seed(0)
+    model = HSTURetrieval(30, dim=16, layers=1, heads=2, max_len=20, kernel="pytorch", rel_bias=False).eval()
+    items = torch.randint(1, 31, (6,))
+    batch = SeqBatch(items, torch.arange(6) * 60, torch.zeros(6, dtype=torch.int64), offsets_from([4, 2]), 24)
+    cache = HistoryCache(1, 24)
+    model.cache_histories(cache, [7, 8], batch)
+    with pytest.raises(ValueError, match="cand_offsets" + msg):
+        model.score_cached(cache, [7, 8], torch.tensor([3, 4, 5, 1, 2]), torch.tensor(offs))
+    x = torch.randn(5, 16)
+    with pytest.raises(ValueError, match="seq_offsets" + msg):
+        serving.prefill(model.stack, HistoryCache(1, 24), ["p", "q"], x, torch.tensor(offs))
