@@ -38,6 +38,21 @@ def as_int(arg: str, value: object, minimum: int = 0) -> int:
     return out
 
 
+SCALING_RANGE = (1e-37, 1e37)
+"""Positive ``scaling_seqlen`` values whose reciprocal (the kernels' float32 output scale) is a normal float32."""
+
+
+def as_scaling(arg: str, value: object) -> float:
+    """``value`` as a finite float that is ``<= 0`` (the default) or a positive scale inside ``SCALING_RANGE``:
+    a tiny scale's reciprocal overflows float32 to inf (outputs NaN), a huge one's underflows to 0."""
+    out = as_finite(arg, value)
+    lo, hi = SCALING_RANGE
+    if out > 0 and not lo <= out <= hi:
+        raise bad_value(arg, f"<= 0 (the default) or a scale from {lo:g} to {hi:g} (its reciprocal scales the output "
+                        "in float32)", f"{out:g}")
+    return out
+
+
 def as_finite(arg: str, value: object) -> float:
     """``value`` (a real number, not bool or tensor) as a finite Python float."""
     if isinstance(value, (bool, torch.Tensor)) or not isinstance(value, numbers.Real):

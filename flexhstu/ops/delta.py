@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .._errors import as_finite, as_int, bad_type, bad_value
+from .._errors import as_finite, as_int, as_scaling, bad_type, bad_value
 from ..jagged import (
     can_read_values,
     check_lengths_at_most,
@@ -125,7 +125,7 @@ def delta_hstu_mha(
         # offsets itself (HistoryCache.gather, the micro-batch counts), so they hold what the assertions check.
         _assert_values_on_device(seq_offsets, q_offsets, q_start, k.shape[0], delta_q.shape[0], kv_lengths)
     alpha = delta_q.shape[2] ** -0.5 if alpha is None else as_finite("alpha", alpha)
-    scaling = as_finite("scaling_seqlen", scaling_seqlen)
+    scaling = as_scaling("scaling_seqlen", scaling_seqlen)
     if scaling <= 0:
         scaling = float(max_seq_len) or 1.0
     mask = attn_func if attn_func is not None else rule

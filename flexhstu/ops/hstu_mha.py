@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from .._errors import as_finite, as_int, bad_type, bad_value
+from .._errors import as_finite, as_int, as_scaling, bad_type, bad_value
 from ..jagged import (
     can_read_values,
     check_lengths_at_most,
@@ -141,7 +141,7 @@ def _checked_call(
     elif torch.compiler.is_compiling():
         _assert_values_on_device(seq_offsets, total, rule.num_targets)
     alpha = q.shape[2] ** -0.5 if alpha is None else as_finite("alpha", alpha)
-    scaling = -1.0 if scaling_seqlen is None else as_finite("scaling_seqlen", scaling_seqlen)
+    scaling = -1.0 if scaling_seqlen is None else as_scaling("scaling_seqlen", scaling_seqlen)
     if attn_scale is not None:
         _check_attn_scale(attn_scale, total, scaling)
     if scaling <= 0:

@@ -65,6 +65,10 @@ CASES = [
     (dict(alpha="0.5"), TypeError, r"alpha: expected a real number, got str"),
     (dict(scaling_seqlen=float("nan")), ValueError, r"scaling_seqlen: expected a finite number, got nan"),
     (dict(scaling_seqlen=float("-inf")), ValueError, r"scaling_seqlen: expected a finite number, got -inf"),
+    # 1 / 1e-300 overflows float32: every output was NaN (bad-input audit); 1 / 1e300 underflows to 0.
+    (dict(scaling_seqlen=1e-300), ValueError, r"scaling_seqlen: expected <= 0 \(the default\) or a scale from "
+     r"1e-37 to 1e\+37 .*got 1e-300"),
+    (dict(scaling_seqlen=1e300), ValueError, r"scaling_seqlen: expected <= 0 .*got 1e\+300"),
     (dict(dropout_pr=float("nan")), ValueError, r"dropout_pr: expected a probability in \[0, 1\), got nan"),
     (dict(dropout_pr=-0.1), ValueError, r"dropout_pr: expected a probability in \[0, 1\), got -0.1"),
     (dict(max_seq_len=True), TypeError, r"max_seq_len: expected a non-negative int \(not a bool\), got True"),
