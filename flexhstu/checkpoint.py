@@ -98,6 +98,27 @@ def load(path: str | os.PathLike, map_location=None) -> dict:
     return state
 
 
+def require(state: dict, path: str | os.PathLike, *keys: str) -> None:
+    """``ValueError`` naming ``path`` unless the loaded ``state`` holds every key (a checkpoint written by
+    ``save`` with other contents: an interrupted development version, another tool)."""
+    missing = [k for k in keys if k not in state]
+    if missing:
+        raise ValueError(f"{path}: not a complete flexhstu run checkpoint (no '{missing[0]}' entry)")
+
+
+def load_weights(module: torch.nn.Module, weights: object, path: str | os.PathLike) -> None:
+    """``module.load_state_dict(weights)``; ``ValueError`` naming ``path`` when they do not fit (another model or
+    configuration), never torch's multi-line report."""
+    if not isinstance(weights, dict):
+        raise ValueError(f"{path}: not a complete flexhstu run checkpoint (no weights)")
+    try:
+        module.load_state_dict(weights)
+    except RuntimeError as e:
+        lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+        detail = (lines[1] if len(lines) > 1 else lines[0] if lines else type(e).__name__)[:160]
+        raise ValueError(f"{path}: the weights do not fit the run's model ({detail})") from e
+
+
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()

@@ -53,6 +53,7 @@ class Recommender:
 
         path = Path(path)
         state = checkpoint.load(path, map_location=device)
+        checkpoint.require(state, path, "config", "best")
         config = state["config"]
         if "item_ids" not in state:
             raise ValueError(f"{path}: expected a checkpoint that records the data's ids (written by this flexhstu "
@@ -62,9 +63,16 @@ class Recommender:
         if len(loaded) != config["data_rows"] or loaded.num_items != config["num_items"]:
             raise ValueError(f"--data {source}: expected the run's data ({config['data_rows']} events, "
                              f"{config['num_items']} items), got {len(loaded)} events, {loaded.num_items} items")
-        model = build_model(argparse.Namespace(**config), config["num_items"]).to(device)
-        best = state["best"].get("model")
-        model.load_state_dict(best if best is not None else state["model"])
+        try:
+            model = build_model(argparse.Namespace(**config), config["num_items"]).to(device)
+        except (AttributeError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}: not a complete flexhstu run checkpoint (its configuration lacks {e})") from e
+        best = state["best"]
+        if best.get("dir"):  # a run with sharded embeddings: its best weights are a sharded folder beside the file
+            checkpoint.load_sharded(path.parent / best["dir"], model)
+        else:
+            weights = best.get("model")
+            checkpoint.load_weights(model, weights if weights is not None else state.get("model"), path)
         seqs = user_sequences(loaded)
         histories = {str(u): (items, times) for u, items, times in zip(state["user_ids"], seqs.items, seqs.times)}
         return cls(model, config, histories, state["item_ids"], device)

@@ -488,6 +488,7 @@ def resume(a: argparse.Namespace, d: Splits, out: Path, model: torch.nn.Module, 
         raise FileNotFoundError(f"--resume: expected a checkpoint at {ckpt}, no such file (leave out --resume to "
                                 "start a new run)")
     state = checkpoint.load(ckpt, map_location=device)
+    checkpoint.require(state, ckpt, "config", "epoch", "history", "best", *(() if "sharded" in state else ("opt",)))
     saved, now = state["config"], run_config(a, d)
     parser = build_parser()  # a setting added since the checkpoint was written had its default then
     was = {k: saved.get(k, _default(parser, k)) for k in (*FIXED_ON_RESUME, "data_rows", "num_items")}
@@ -497,7 +498,11 @@ def resume(a: argparse.Namespace, d: Splits, out: Path, model: torch.nn.Module, 
     if "sharded" in state:
         checkpoint.load_sharded(out / state["sharded"], model, opt)
     else:
-        model.load_state_dict(state["model"]), opt.load_state_dict(state["opt"])
+        checkpoint.load_weights(model, state.get("model"), ckpt)
+        try:
+            opt.load_state_dict(state["opt"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{ckpt}: the optimizer state does not fit the run's model ({e})") from e
     notes = []
     if saved["lr"] != a.lr:
         for group in opt.param_groups:

@@ -95,3 +95,14 @@ def test_bench_without_a_gpu_is_one_line_and_the_model_step_runs_on_the_cpu(caps
     assert cli_main.main(["bench", "--model-step", "--device", "cpu", "--layers", "1", "--dim", "32", "--heads", "2",
                  "--head-dim", "16", "--batch", "2", "--seq", "16", "--variants", "eager"]) == 0
     assert "| causal fixed B2 S16 | eager |" in capsys.readouterr().out
+
+
+def test_a_checkpoint_without_a_runs_entries_is_one_line(tmp_path, capsys):
+    from flexhstu import checkpoint
+
+    checkpoint.save({}, tmp_path / "checkpoint.pt")  # a flexhstu file, but not a run's (audit: KeyError traceback)
+    argv = ["train", "--data", "synthetic", "--resume", "--out", str(tmp_path), "--quiet", "--device", "cpu"]
+    assert _status(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"flexhstu train: error: {tmp_path / 'checkpoint.pt'}: not a complete flexhstu run checkpoint "
+                   "(no 'config' entry)"], err

@@ -89,3 +89,31 @@ def test_other_data_than_the_runs_is_refused(csv_run):
     other.write_text("\n".join(lines[: len(lines) // 2]) + "\n")
     with pytest.raises(ValueError, match=rf"--data {other}: expected the run's data \(\d+ events, 40 items\), got"):
         Recommender.from_checkpoint(root / "run" / "checkpoint.pt", data=str(other))
+
+
+def test_a_checkpoint_without_a_runs_entries_or_with_other_weights_is_one_clear_error(csv_run, tmp_path):
+    # Bad-input audit: both gave a traceback (KeyError 'config'; load_state_dict's size mismatch report).
+    import torch
+
+    from flexhstu import checkpoint
+
+    root, data = csv_run
+    empty = tmp_path / "empty.pt"
+    checkpoint.save({}, empty)
+    with pytest.raises(ValueError, match=rf"{empty}: not a complete flexhstu run checkpoint \(no 'config' entry\)"):
+        Recommender.from_checkpoint(empty, data=data)
+    state = checkpoint.load(root / "run" / "checkpoint.pt")
+    state["best"] = {**state["best"], "model": {k: torch.zeros(3) for k in state["model"]}}
+    other = tmp_path / "other.pt"
+    checkpoint.save(state, other)
+    with pytest.raises(ValueError, match=rf"{other}: the weights do not fit the run's model \(size mismatch"):
+        Recommender.from_checkpoint(other, data=data)
+
+
+def test_a_run_with_sharded_embeddings_recommends_from_its_sharded_best(tmp_path):
+    # Bad-input audit: KeyError 'model' (the best weights of such a run are a sharded folder).
+    out = tmp_path / "run"
+    train.main(TINY + ["--data", "synthetic", "--shard-embeddings", "rowwise", "--out", str(out)])
+    rec = Recommender.from_checkpoint(out / "checkpoint.pt")
+    [r] = rec.recommend([next(iter(rec.histories))], 5)
+    assert len(r.items) == 5
