@@ -358,3 +358,27 @@ def test_nan_and_inf_in_one_sequence_never_reach_another(name):
         assert torch.isfinite(d[keep]).all(), what
         assert torch.equal(c[keep], d[keep]), what
     assert not torch.isfinite(results[1][0][bad]).all()  # the poisoned sequence itself is affected
+
+
+@pytest.mark.parametrize("bad", [[0, 6, 15, 40], [3, 1, 7, 2, 19], [-5, 4, 30, 19], [0, 19, 4, 19], [0, 5, 12]])
+@pytest.mark.parametrize("mask", ["causal", "sla"])
+def test_offsets_that_break_the_rules_keep_the_kernels_inside_their_buffers(bad, mask):
+    # On CUDA hstu_mha does not read the offsets (no host sync), so nothing refuses these before the kernels. They
+    # follow ``safe_offsets`` instead (clamped, non-decreasing, 0 first, total last): in bounds (the interpreter
+    # raises on an out-of-bounds access; the audit saw a double free), every row written, and equal to the
+    # reference on the offsets made safe.
+    from flexhstu.ops.triton import triton_hstu_mha
+    from flexhstu.ops.triton.tables import safe_offsets
+
+    total = 19
+    bad = torch.tensor(bad, dtype=torch.int64, device=DEVICE)
+    safe = safe_offsets(bad, total)
+    q, k, v = batch([total])
+    func = masks.sla(safe.cpu(), 5, 2).to(DEVICE) if mask == "sla" else None
+    kw = dict(alpha=0.3, out_scale=0.05, max_seq_len=20)
+    got = triton_hstu_mha(q, k, v, bad, func=func, causal_closed_form=func is None, **kw)
+    want = flexhstu.hstu_mha(20, 0.3, q, k, v, safe, attn_func=func, scaling_seqlen=20, kernel=Kernel.PYTORCH)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    dout = torch.randn_like(got)
+    for g, w in zip(torch.autograd.grad(got, (q, k, v), dout), torch.autograd.grad(want, (q, k, v), dout)):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)

@@ -16,7 +16,7 @@ from .args import FixedRule, Func
 from .config import Tile
 from .plan import _plan_kernel
 from .rules import BIG, MODE_CAUSAL, MODE_FUNC
-from .tables import BlockTables
+from .tables import BlockTables, safe_offsets
 
 
 @dataclass
@@ -88,9 +88,26 @@ class BlockPlan:
     """
 
     def __init__(self, offs: torch.Tensor, total: int, vis: Visibility):
-        self.offs, self.total, self.vis = offs, total, vis
-        self.tables = BlockTables(offs, total)
+        self.raw_offs, self.total, self.vis = offs, total, vis
+        self._offs: torch.Tensor | None = None
+        self._tables: BlockTables | None = None
         self._key_major: dict[Tile, KeyMajorPlan] = {}
+
+    @property
+    def offs(self) -> torch.Tensor:
+        """The offsets every kernel follows, never the caller's: bad values (unchecked on CUDA) cannot send a
+        kernel out of its buffers (``tables.safe_offsets``). Made on first use (one launch), so that building a
+        plan launches nothing (torch.compile traces the plan-free path, whose op builds its own)."""
+        if self._offs is None:
+            raw = self.raw_offs
+            self._offs = safe_offsets(raw, self.total) if raw.numel() > 1 and self.total > 0 else raw
+        return self._offs
+
+    @property
+    def tables(self) -> BlockTables:
+        if self._tables is None:
+            self._tables = BlockTables(self.offs, self.total)
+        return self._tables
 
     def key_major(self, tile: Tile) -> KeyMajorPlan:
         """The key-major plan for the dK/dV kernel's ``tile`` (built on first use)."""

@@ -80,9 +80,12 @@ def forward(q, k, v, offs, vis: Visibility, alpha: float, out_scale: float,
     out = _new_like(q, total, nheads, v.shape[2])
     if total == 0:
         return out
+    if offs.numel() == 1:  # no sequence (unchecked on CUDA): no row sees anything
+        return out.zero_()
     interpreting = _interpreting()
     tile = (tile_set or call_tiles(q, v, vis, bias is not None)).forward
     plan = plan if plan is not None else BlockPlan(offs, total, vis)
+    offs = plan.offs  # safe offsets (BlockPlan.offs): the kernels never follow the caller's
     qtab, nqb = plan.tables.table(tile.block_m)
     hstu_forward_kernel[(nqb, nheads)](
         **_attention_args(q, k, v, offs, vis, alpha, interpreting), **tile.launch(),
@@ -102,12 +105,15 @@ def backward(dout, q, k, v, offs, vis: Visibility, alpha: float, out_scale: floa
     dq = _new_like(q)
     if total == 0:
         return dq, _new_like(k), _new_like(v)
+    if offs.numel() == 1:  # no sequence (unchecked on CUDA): no gradient
+        return dq.zero_(), torch.zeros_like(k), torch.zeros_like(v)
     interpreting = _interpreting()
     _, tq, tkv = tile_set or call_tiles(q, v, vis, bias is not None)
+    plan = plan if plan is not None else BlockPlan(offs, total, vis)
+    offs = plan.offs  # safe offsets (BlockPlan.offs): the kernels never follow the caller's
     args = _attention_args(q, k, v, offs, vis, alpha, interpreting)
     args.update(_scale_args(attn_scale, offs))
     scale = 1.0 if attn_scale is not None else out_scale  # attn_scale replaces out_scale, row by row
-    plan = plan if plan is not None else BlockPlan(offs, total, vis)
     qtab, nqb = plan.tables.table(tq.block_m)
     hstu_backward_dq_kernel[(nqb, nheads)](
         **args, **tq.launch(), **_bias_args(bias),
@@ -330,10 +336,10 @@ def triton_hstu_mha(q, k, v, seq_offsets, *, func=None, num_targets=None, causal
     else:
         # The kernels read offsets and num_targets as plain int64 / int arrays (no strides): made so here, once.
         block = BlockPlan(seq_offsets.to(torch.int64).contiguous(), q.shape[0], vis)
-    offs, vis = block.offs, block.vis
+    vis = block.vis
     tables = (None, None, None) if rel_bias is None else tuple(rel_bias)
-    if torch.compiler.is_compiling():
-        return hstu_mha_fwd(q, k, v, offs, vis.func, vis.num_targets, attn_scale, vis.mode, vis.contextual,
+    if torch.compiler.is_compiling():  # the op makes its own plan (and safe offsets) from the caller's offsets
+        return hstu_mha_fwd(q, k, v, block.raw_offs, vis.func, vis.num_targets, attn_scale, vis.mode, vis.contextual,
                             vis.window, vis.min_full, vis.sparse, alpha, out_scale, max_seq_len, *tables)
-    return _HstuAttention.apply(q, k, v, offs, vis.func, vis.num_targets, attn_scale, block, alpha, out_scale,
+    return _HstuAttention.apply(q, k, v, block.offs, vis.func, vis.num_targets, attn_scale, block, alpha, out_scale,
                                 max_seq_len, *tables)

@@ -46,6 +46,38 @@ def _block_table_kernel(OFFS, TAB, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
         tl.store(TAB + idx, b + tl.zeros_like(idx), mask=idx < hi)
 
 
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _safe_offsets_kernel(OFFS, OUT, n, total, CHUNK: tl.constexpr):
+    """One program: ``OUT`` = ``OFFS`` clamped to ``[0, total]``, made non-decreasing (running max), with the
+    first entry 0 and the last ``total`` (``n >= 2``)."""
+    run = tl.zeros((), dtype=tl.int64)
+    for c0 in range(0, n, CHUNK):
+        idx = c0 + tl.arange(0, CHUNK)
+        x = tl.load(OFFS + idx, mask=idx < n, other=0).to(tl.int64)
+        x = tl.minimum(tl.maximum(x, 0), total)
+        x = tl.where(idx == 0, 0, tl.where(idx == n - 1, total, x))
+        x = tl.maximum(tl.associative_scan(x, 0, _max_combine), run)
+        tl.store(OUT + idx, x, mask=idx < n)
+        run = tl.max(x, axis=0)
+
+
+def safe_offsets(offs: torch.Tensor, total: int) -> torch.Tensor:
+    """int64 ``(B + 1,)`` offsets that every kernel can follow without leaving its buffers, whatever ``offs``
+    (int64, contiguous, ``B >= 1``) holds: equal to it when it is valid (0 first, ``total`` last,
+    non-decreasing); otherwise clamped into ``[0, total]``, made non-decreasing, first 0 and last ``total``.
+    The values are never read on the host (no sync): on the CPU ``hstu_mha`` refuses bad offsets before, on
+    CUDA this keeps bad ones from reading or writing out of bounds (one launch)."""
+    n = offs.numel()
+    out = torch.empty_like(offs)
+    _safe_offsets_kernel[(1,)](offs, out, n, total, CHUNK=min(1024, triton.next_power_of_2(n)))
+    return out
+
+
 def block_table(offs: torch.Tensor, total: int, block: int) -> tuple[torch.Tensor, int]:
     """(sequence of each flat block, number of flat blocks) for one block size.
 
