@@ -185,10 +185,13 @@ def _check_same_device(q: torch.Tensor, **tensors: torch.Tensor | None) -> None:
 
 
 def _checked_rule(rule: FixedRule, batch: int) -> FixedRule:
+    if not isinstance(rule.causal, bool) and type(rule.causal).__name__ != "bool_":  # numpy's bool passes
+        # "no" or None would pass a truth test (audit: causal="no" ran causal, None non-causal)
+        raise bad_type("causal", "a bool", type(rule.causal).__name__)
     if rule.num_targets is not None:
         check_num_targets_meta(rule.num_targets, batch)
     ints = {name: as_int(name, getattr(rule, name)) for name in FixedRule._fields[2:]}
-    return rule._replace(**ints)
+    return rule._replace(causal=bool(rule.causal), **ints)
 
 
 def _check_func_alone(attn_func: torch.Tensor, rule: FixedRule, q: torch.Tensor) -> None:

@@ -69,6 +69,9 @@ CASES = [
     (dict(scaling_seqlen=1e-300), ValueError, r"scaling_seqlen: expected <= 0 \(the default\) or a scale from "
      r"1e-37 to 1e\+37 .*got 1e-300"),
     (dict(scaling_seqlen=1e300), ValueError, r"scaling_seqlen: expected <= 0 .*got 1e\+300"),
+    # Any truthy object ran causal, None non-causal (audit).
+    (dict(causal="no"), TypeError, r"causal: expected a bool, got str"),
+    (dict(causal=None), TypeError, r"causal: expected a bool, got NoneType"),
     (dict(dropout_pr=float("nan")), ValueError, r"dropout_pr: expected a probability in \[0, 1\), got nan"),
     (dict(dropout_pr=-0.1), ValueError, r"dropout_pr: expected a probability in \[0, 1\), got -0.1"),
     (dict(max_seq_len=True), TypeError, r"max_seq_len: expected a non-negative int \(not a bool\), got True"),
