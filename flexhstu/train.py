@@ -702,7 +702,7 @@ def write(result: dict, history: list[dict], out: Path, rank: int, a: argparse.N
     """metrics.json (and metrics.png when there is a history) in ``out`` on rank 0; returns ``result``."""
     result["history"] = history
     if rank == 0:
-        (out / "metrics.json").write_text(json.dumps(result, indent=1, default=str))
+        checkpoint.write_text(out / "metrics.json", json.dumps(result, indent=1, default=str))
         if history:
             plot(history, out / "metrics.png", plot_title(a), result.get("best_epoch"))
         if not a.quiet:
