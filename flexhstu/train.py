@@ -736,10 +736,10 @@ def train(a: argparse.Namespace) -> dict:
     rank, world, created = distributed.setup()
     with user_input():
         device = resolve_device(a, rank)
+    with user_input():  # before the run's folder: a data mistake leaves no empty run and runs/latest unmoved
+        d = prepare_data(a)
     with user_input("--out"):
         out = resolve_out(a, rank, world)
-    with user_input():
-        d = prepare_data(a)
     torch.manual_seed(a.seed)
     result: dict = {"args": vars(a)}
     if a.model == "popularity":

@@ -80,3 +80,16 @@ def test_the_plot_is_titled_and_puts_a_ranking_metrics_tasks_in_one_panel(tmp_pa
                                                for t in tasks}, "seconds": 1.0} for e in (1, 2, 3)]
     train.plot(history, tmp_path / "m.png", "title", best_epoch=2)
     assert Image.open(tmp_path / "m.png").size == (1520, 340)  # one row: loss, AUC, NDCG@10, GAUC
+
+
+@pytest.mark.parametrize("argv", [["--data", "no/such/ratings.dat"],
+                                  ["--data", "synthetic", "--columns", "user=a,item=b,time=c"]])
+def test_a_data_mistake_leaves_no_run_folder_and_latest_where_it_was(tmp_path, monkeypatch, argv):
+    # User trial: the failed run's empty folder took runs/latest, hiding the good run from recommend and --resume.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "good").mkdir(parents=True)
+    os.symlink("good", tmp_path / "runs" / "latest")
+    with pytest.raises(UserError):
+        train.main(argv + ["--quiet", "--device", "cpu"])
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["good", "latest"]
+    assert os.readlink(tmp_path / "runs" / "latest") == "good"
