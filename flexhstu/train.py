@@ -130,8 +130,8 @@ def build_parser() -> Parser:
     p.add_argument("--heads", type=positive_int, default=2, help="must divide --dim")
     p.add_argument("--max-len", type=positive_int, default=100, help="the last events of a history that are used")
     p.add_argument("--dropout", type=_probability, default=0.2, help="dropout rate of embeddings and layers")
-    p.add_argument("--lr", type=_positive_float, default=3e-3,
-                   help="on --resume, a new value replaces the checkpoint's learning rate")
+    p.add_argument("--lr", type=_positive_float, default=None,
+                   help=f"learning rate (default {DEFAULT_LR:g}); on --resume, the checkpoint's unless given")
     p.add_argument("--negatives", type=positive_int, default=256,
                    help="retrieval: sampled negatives per step of the sampled softmax")
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the weights, the order and the negatives")
@@ -169,8 +169,11 @@ def build_parser() -> Parser:
 def parse(argv=None) -> argparse.Namespace:
     p = build_parser()
     a = p.parse_args(argv)
-    if a.epochs is None:
-        a.epochs = 60 if a.task == "retrieval" else 4
+    if not a.resume:  # on --resume, what is not given is the checkpoint's (resume)
+        if a.epochs is None:
+            a.epochs = 60 if a.task == "retrieval" else 4
+        if a.lr is None:
+            a.lr = DEFAULT_LR
     if a.task == "ranking" and a.model not in ("onerank",):
         p.error(f"--model: ranking trains 'onerank' (use --no-task-tokens for the ablation), got {a.model!r}")
     if a.task == "retrieval" and a.model == "onerank":
@@ -212,6 +215,7 @@ def resolve_device(a: argparse.Namespace, rank: int) -> torch.device:
 
 
 RUNS = Path("runs")
+DEFAULT_LR = 3e-3
 
 
 def run_label(a: argparse.Namespace) -> str:
@@ -503,6 +507,10 @@ def resume(a: argparse.Namespace, d: Splits, out: Path, model: torch.nn.Module, 
             opt.load_state_dict(state["opt"])
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{ckpt}: the optimizer state does not fit the run's model ({e})") from e
+    if a.lr is None:  # not given: the run keeps its learning rate and length
+        a.lr = saved["lr"]
+    if a.epochs is None:
+        a.epochs = saved["epochs"]
     notes = []
     if saved["lr"] != a.lr:
         for group in opt.param_groups:
@@ -754,7 +762,7 @@ def train(a: argparse.Namespace) -> dict:
         if collective:  # the table's gradient reaches its owner through the lookup, not through DDP
             DDP._set_params_and_buffers_to_ignore_for_model(model, ["encoder.items.weight"])
         ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    opt = torch.optim.AdamW(param_groups(a, model), lr=a.lr, weight_decay=0.01)
+    opt = torch.optim.AdamW(param_groups(a, model), lr=a.lr if a.lr is not None else DEFAULT_LR, weight_decay=0.01)
     p = Progress()
     if a.resume:
         with user_input():

@@ -113,6 +113,19 @@ def test_resume_applies_a_new_learning_rate_and_more_epochs(one_epoch, tmp_path,
     assert state["config"]["lr"] == 0.001 and state["epoch"] == 2 and "test" in r
 
 
+def test_resume_keeps_the_runs_learning_rate_and_length_unless_given(one_epoch, tmp_path, capsys):
+    # User trial: a resume without --lr put the learning rate back to the default (and --epochs to 60).
+    out = _copy(one_epoch, tmp_path / "r")
+    train.main(TINY + ["--stop-after", "1", "--lr", "0.001", "--resume", "--out", out])
+    capsys.readouterr()
+    train.main(TINY + ["--stop-after", "1", "--resume", "--out", out])
+    err = capsys.readouterr().err
+    assert "replaces" not in err, err
+    state = checkpoint.load(tmp_path / "r" / "checkpoint.pt")
+    assert [g["lr"] for g in state["opt"]["param_groups"]] == [0.001]
+    assert state["config"]["lr"] == 0.001 and state["config"]["epochs"] == 3 and state["epoch"] == 3
+
+
 def test_resume_without_a_checkpoint_is_an_error(tmp_path):
     with pytest.raises(UserError, match=r"--resume: expected a checkpoint at .*checkpoint\.pt, no such file"):
         train.main(TINY + ["--resume", "--out", str(tmp_path)])
