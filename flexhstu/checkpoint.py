@@ -97,7 +97,9 @@ def load(path: str | os.PathLike, map_location=None) -> dict:
         raise FileNotFoundError(f"{path}: expected a flexhstu checkpoint, no such file")
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
-    except (EOFError, RuntimeError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as e:
+    # A foreign file can trip the weights-only unpickler anywhere (IndexError "pop from empty list" on a CSV).
+    except (EOFError, RuntimeError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError, IndexError, KeyError,
+            TypeError, AttributeError) as e:
         first = str(e).strip().split(". ")[0].splitlines()[0][:100] if str(e).strip() else ""
         reason = f"{type(e).__name__}: {first}" if first else type(e).__name__
         raise ValueError(f"{path}: not a complete flexhstu checkpoint ({reason})") from e

@@ -78,7 +78,9 @@ def _write_truncated(p):
     lambda p: p.write_bytes(b"not a checkpoint at all"),
     lambda p: p.write_bytes(pickle.dumps({"epoch": 1}, protocol=2)),  # torch.load's protocol: no warning
     lambda p: torch.save({"epoch": 1}, p),
-], ids=["empty", "truncated", "garbage", "foreign-pickle", "foreign-torch"])
+    # A CSV of events: the weights-only unpickler fails with IndexError (user trial: a traceback).
+    lambda p: p.write_text("uid,iid,ts,r\n" + "".join(f"u0,i{i % 40},{1000 + i},{i % 5 + 1}\n" for i in range(50))),
+], ids=["empty", "truncated", "garbage", "foreign-pickle", "foreign-torch", "csv"])
 def test_incomplete_or_foreign_checkpoints_get_one_clear_error(tmp_path, make):
     path = tmp_path / "checkpoint.pt"
     make(path)
