@@ -49,9 +49,10 @@ class Recommender:
     def from_checkpoint(cls, path: str | Path, data: str | None = None, device="cpu") -> Recommender:
         """The best-validation weights of the run of ``path`` (a ``checkpoint.pt``); ``data`` replaces the run's
         ``--data`` path (same contents required)."""
-        from .train import build_model  # train imports the models and the command line; only needed here
+        from .train import build_model, resolve_device  # train imports the models and the CLI; only needed here
 
         path = Path(path)
+        device = resolve_device(argparse.Namespace(device=str(device)), 0)  # a bad device is not a bad checkpoint
         state = checkpoint.load(path, map_location=device)
         checkpoint.require(state, path, "config", "best")
         config = state["config"]

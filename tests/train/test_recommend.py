@@ -117,3 +117,11 @@ def test_a_run_with_sharded_embeddings_recommends_from_its_sharded_best(tmp_path
     rec = Recommender.from_checkpoint(out / "checkpoint.pt")
     [r] = rec.recommend([next(iter(rec.histories))], 5)
     assert len(r.items) == 5
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the error of a machine without CUDA")
+def test_a_device_that_is_not_here_is_named_not_the_checkpoint(csv_run):
+    # User trial: the error blamed the checkpoint ("not a complete flexhstu checkpoint (RuntimeError: ...CUDA...)").
+    root, data = csv_run
+    with pytest.raises(ValueError, match=r"--device: expected cpu \(CUDA is not available here\), got 'cuda'"):
+        Recommender.from_checkpoint(root / "run" / "checkpoint.pt", data=data, device="cuda")
