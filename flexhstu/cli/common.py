@@ -38,7 +38,8 @@ def user_input(arg: str | None = None) -> Iterator[None]:
         yield
     except (ValueError, TypeError, OSError) as e:
         text = f"{e.strerror}: '{e.filename}'" if isinstance(e, OSError) and e.strerror else str(e)
-        raise UserError(f"{arg}: {text}" if arg else text) from e
+        named = arg and not text.startswith(f"{arg}:")  # a message that names the argument already keeps its form
+        raise UserError(f"{arg}: {text}" if named else text) from e
 
 
 def run(prog: str, fn: Callable[[], int], debug: bool) -> int:
