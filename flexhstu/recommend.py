@@ -93,7 +93,10 @@ class Recommender:
     def recommend(self, users: list, k: int = 10, *, candidates: list | None = None,
                   include_seen: bool = False) -> list[Recommendation]:
         """Top ``k`` items for each of ``users`` (the data file's ids), among ``candidates`` (ids) if given (a
-        ranking model needs them); seen items are left out unless ``include_seen``."""
+        ranking model needs them): given candidates are all ranked, seen or not; without them the whole catalogue
+        is, less the items a user has seen unless ``include_seen``."""
+        if not users:
+            raise ValueError("--users: expected at least one user id, got none")
         if self.ranking and not candidates:
             raise ValueError("--candidates: expected the items to score (a ranking model scores given candidates), "
                              "got none")
@@ -104,9 +107,7 @@ class Recommender:
         items, times = self._history(user)
         max_len = self.config["max_len"]
         if self.ranking:
-            pool = cand if include_seen else cand[~np.isin(cand, items)]
-            if not len(pool):
-                return Recommendation(user, [], np.zeros((0, len(TASKS)), dtype=np.float32))
+            pool = cand  # the items asked about, seen or not (user trial: seen ones vanished, exit 0, no line)
             hist, ht = items[-max_len:], times[-max_len:]
             args = [torch.from_numpy(x).to(self.device) for x in (hist, ht)]
             offs = [torch.tensor([0, n], device=self.device) for n in (len(hist), len(pool))]
@@ -116,7 +117,7 @@ class Recommender:
         row = self.model.scores(make_batch([items], [times], max_len, with_targets=False).to(self.device))[0].cpu()
         allowed = torch.zeros_like(row, dtype=torch.bool)
         allowed[torch.from_numpy(cand) if cand is not None else slice(1, None)] = True  # item 0 is padding
-        if not include_seen:
+        if cand is None and not include_seen:
             allowed[torch.from_numpy(items)] = False
         row = torch.where(allowed, row.float(), -torch.inf)
         top = torch.topk(row, min(k, int(allowed.sum()))).indices
@@ -130,7 +131,8 @@ def build_parser() -> Parser:
     p.add_argument("--k", type=positive_int, default=10, help="items per user")
     p.add_argument("--candidates", default=None,
                    help="comma-separated item ids to rank (required for a ranking model; else the whole catalogue)")
-    p.add_argument("--include-seen", action="store_true", help="keep items the user has already seen")
+    p.add_argument("--include-seen", action="store_true",
+                   help="without --candidates: keep items the user has already seen (given candidates are all ranked)")
     p.add_argument("--data", default=None, help="the run's data file, if it moved since training")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     p.add_argument("--debug", action="store_true", help="show the traceback of an input error")

@@ -55,6 +55,12 @@ def test_retrieval_among_candidates_ranks_only_those(csv_run):
     rec = Recommender.from_checkpoint(root / "run" / "checkpoint.pt")
     (answer,) = rec.recommend(["u7"], k=10, candidates=["i1", "i2", "i5"], include_seen=True)
     assert sorted(answer.items) == ["i1", "i2", "i5"]
+    # Given candidates are all ranked, seen or not (user trial: seen ones vanished, leaving "user 7: ", exit 0).
+    seen = [rec.item_ids[i - 1] for i in rec.histories["u7"][0][:3]]
+    (answer,) = rec.recommend(["u7"], k=10, candidates=seen)
+    assert sorted(answer.items) == sorted(set(seen))
+    with pytest.raises(ValueError, match="--users: expected at least one user id, got none"):
+        rec.recommend([], k=3)
 
 
 def test_the_command_prints_one_line_per_user_and_names_a_wrong_user(csv_run, capsys):
@@ -74,7 +80,8 @@ def test_a_ranking_model_scores_the_given_candidates_per_task(tmp_path):
     rec = Recommender.from_checkpoint(tmp_path / "checkpoint.pt")
     (answer,) = rec.recommend([4], k=2, candidates=[5, 9, 12, 30], include_seen=True)
     assert len(answer.items) == 2 and set(answer.items) <= {5, 9, 12, 30} and answer.scores.shape == (2, 3)
-    everything = rec.recommend([4], k=4, candidates=[5, 9, 12, 30], include_seen=True)[0]
+    everything = rec.recommend([4], k=4, candidates=[5, 9, 12, 30])[0]  # all four, seen or not
+    assert sorted(everything.items) == [5, 9, 12, 30]
     assert answer.items == everything.items[:2] and answer.scores[0, 0] >= answer.scores[1, 0]
     with pytest.raises(ValueError, match="--candidates: expected the items to score"):
         rec.recommend([4])
