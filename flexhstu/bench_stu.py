@@ -18,15 +18,17 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import statistics
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
 from . import masks
+from .cli.common import Parser
 from .jagged import offsets_from_lengths
 from .nn import STULayerConfig, STUStack
 
@@ -52,7 +54,7 @@ class Row:
 
 
 def parse(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="flexhstu bench --model-step", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="flexhstu bench --model-step", description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--dim", type=int, default=512, help="embedding dim")
     p.add_argument("--heads", type=int, default=4)
@@ -82,6 +84,24 @@ def parse(argv=None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')}: expected a positive int, got {getattr(a, name)}")
     if not 0 <= a.jagged_min <= a.jagged_max:
         p.error(f"--jagged-min, --jagged-max: expected 0 <= min <= max, got {a.jagged_min}, {a.jagged_max}")
+    for name in ("window", "sla_k1", "sla_k2"):
+        if getattr(a, name) < 0:
+            p.error(f"--{name.replace('_', '-')}: expected an int >= 0, got {getattr(a, name)}")
+    if not 0.0 <= a.dropout < 1.0:
+        p.error(f"--dropout: expected a rate in [0, 1), got {a.dropout}")
+    try:
+        device = torch.device(a.device)
+    except RuntimeError:
+        p.error(f"--device: expected cuda or cpu, got '{a.device}'")
+    if device.type not in ("cuda", "cpu"):
+        p.error(f"--device: expected cuda or cpu, got '{a.device}'")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("--device: expected cpu here (CUDA is not available; cpu runs the code path, untimed in any useful "
+                "sense), got 'cuda'")
+    if a.json:  # checked before the benchmark runs, not after
+        out = Path(a.json)
+        if out.is_dir() or not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
+            p.error(f"--json: expected a file that can be written, got '{a.json}'")
     return a
 
 
@@ -173,13 +193,6 @@ def markdown_row(r: Row) -> str:
 def main(argv=None) -> int:
     a = parse(argv)
     device = torch.device(a.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("bench_stu: --device cuda needs a CUDA GPU, and torch.cuda.is_available() is False "
-              "(--device cpu runs the code path, untimed in any useful sense)", file=sys.stderr)
-        return 2
-    if device.type not in ("cuda", "cpu"):
-        print(f"bench_stu: --device: expected cuda or cpu, got {a.device}", file=sys.stderr)
-        return 2
     configs = SUITE if a.suite else [(a.mask, a.lengths)]
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"STU stack: {a.layers} layers, dim {a.dim}, {a.heads} heads of {a.head_dim}, {a.dtype}, "

@@ -37,15 +37,24 @@ def test_compiled_variants_run(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error given without a CUDA device")
 def test_cuda_device_without_a_gpu_is_a_clear_error(capsys):
-    assert bench_stu.main(["--variants", "eager"]) == 2
-    assert "--device cuda needs a CUDA GPU" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        bench_stu.main(["--variants", "eager"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("flexhstu bench --model-step: error: --device: expected cpu here"), err
 
 
 @pytest.mark.parametrize(("args", "words"), [
     (["--layers", "0"], "--layers: expected a positive int, got 0"),
     (["--jagged-min", "9", "--jagged-max", "3"], "expected 0 <= min <= max, got 9, 3"),
+    # User trial: tracebacks (the last two after the benchmark had run), and 16 lines of usage before errors.
+    (["--mask", "window", "--window", "-1"], "--window: expected an int >= 0, got -1"),
+    (["--device", "foo"], "--device: expected cuda or cpu, got 'foo'"),
+    (["--json", "."], "--json: expected a file that can be written, got '.'"),
+    (["--json", "/no/such/folder/x.json"], "--json: expected a file that can be written"),
 ])
 def test_bad_sizes_name_the_option(args, words, capsys):
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as e:
         bench_stu.main(TINY + args)
-    assert words in capsys.readouterr().err
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and words in err[0], err
