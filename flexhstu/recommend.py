@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from . import checkpoint
-from .cli.common import Parser, positive_int, run, user_input
+from .cli.common import Parser, UserError, positive_int, run, user_input
 from .data import load
 from .data.sequences import user_sequences
 from .models import make_batch
@@ -148,6 +148,8 @@ def cli(argv=None) -> int:
     a = build_parser().parse_args(argv)
 
     def command() -> int:
+        if a.candidates is not None and not _ids(a.candidates):  # user trial: '' ranked the whole catalogue
+            raise UserError(f"--candidates: expected comma-separated item ids, got '{a.candidates}'")
         with user_input():
             rec = Recommender.from_checkpoint(a.checkpoint, data=a.data, device=a.device)
             answers = rec.recommend(_ids(a.users), a.k, candidates=_ids(a.candidates), include_seen=a.include_seen)
