@@ -191,12 +191,28 @@ def parse(argv=None) -> argparse.Namespace:
         setattr(a, key, (default if given is None else given) if a.data == "synthetic" else None)
     if a.no_rel_bias and a.model != "hstu":
         p.error(f"--no-rel-bias: expected --model hstu (the only model with a relative bias), got --model {a.model}")
+    if a.mask != "causal" and a.model != "hstu":  # user trial: --model popularity --mask sla ran, ignoring it
+        p.error(f"--mask: expected causal (the default) for --model {a.model}, which has no mask choice, "
+                f"got {a.mask}")
     if a.no_task_tokens and a.model != "onerank":
         p.error(f"--no-task-tokens: expected --task ranking --model onerank, got --model {a.model}")
     if a.model == "popularity" and a.shard_embeddings != "none":
         p.error("--shard-embeddings: expected none for --model popularity (it has no item table), "
                 f"got {a.shard_embeddings}")
     return a
+
+
+def check_cutoffs(a: argparse.Namespace, num_items: int) -> None:
+    """Retrieval ranks the whole catalogue: a cut-off K at or above its size puts every item in the top K, so
+    HR@K is 1 whatever the model (user trial: HR@10 = NDCG@10 = 1.0 with 5 items, exit 0)."""
+    if a.task != "retrieval":
+        return
+    cuts = {name: int(name.partition("@")[2]) for name in a.metric_names if "@" in name}
+    name, k = max(cuts.items(), key=lambda kv: kv[1], default=("", 0))
+    if k >= num_items:
+        arg = "--metrics" if a.metrics and name in a.metrics.lower() else "--data"
+        raise ValueError(f"{arg}: expected a catalogue of more than {k} items for {name} (every item ranks in the "
+                         f"top {k} of {num_items}: the metric would be 1 whatever the model), got {num_items} items")
 
 
 def resolve_device(a: argparse.Namespace, rank: int) -> torch.device:
@@ -518,7 +534,7 @@ def resume(a: argparse.Namespace, d: Splits, out: Path, model: torch.nn.Module, 
         notes.append(f"--lr {a.lr} replaces the checkpoint's {saved['lr']}")
     if saved["epochs"] != a.epochs:
         notes.append(f"--epochs {a.epochs} replaces the checkpoint's {saved['epochs']} ({state['epoch']} done)")
-    if rank == 0:
+    if rank == 0 and not a.quiet:  # --quiet: nothing but errors
         if state["epoch"] >= a.epochs:  # nothing left to train: the outputs are written again from the checkpoint
             print(f"flexhstu train: all {a.epochs} epochs are done in {ckpt} ({state['epoch']} trained); "
                   "writing the run's outputs again (--epochs N for more)", file=sys.stderr)
@@ -746,6 +762,7 @@ def train(a: argparse.Namespace) -> dict:
         device = resolve_device(a, rank)
     with user_input():  # before the run's folder: a data mistake leaves no empty run and runs/latest unmoved
         d = prepare_data(a)
+        check_cutoffs(a, d.num_items)
     with user_input("--out"):
         out = resolve_out(a, rank, world)
     torch.manual_seed(a.seed)

@@ -39,6 +39,15 @@ def _status(argv) -> int:
     (["train", "--model", "sasrec", "--no-rel-bias"], "--no-rel-bias: expected --model hstu"),
     (["train", "--model", "popularity", "--no-rel-bias"], "--no-rel-bias: expected --model hstu"),
     (["train", "--no-task-tokens"], "--no-task-tokens: expected --task ranking --model onerank, got --model hstu"),
+    # User trial: each ran and exited 0 (the mask ignored; HR@10 = 1.0 from a catalogue inside the top K;
+    # the whole catalogue ranked).
+    (["train", "--model", "popularity", "--mask", "sla"],
+     "--mask: expected causal (the default) for --model popularity"),
+    (["train", "--data", "synthetic", "--synthetic-items", "5"],
+     "--data: expected a catalogue of more than 10 items for hr@10"),
+    (["train", "--data", "synthetic", "--metrics", "hr@5000"],
+     "--metrics: expected a catalogue of more than 5000 items for hr@5000"),
+    (["recommend", "--users", "1", "--candidates", ""], "--candidates: expected comma-separated item ids, got ''"),
 ])
 def test_a_mistake_is_one_line_and_status_2(tmp_path, capsys, monkeypatch, argv, fragment):
     if argv[0] == "train":

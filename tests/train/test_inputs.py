@@ -34,7 +34,9 @@ def test_bad_sizes_are_argparse_errors(capsys, argv, fragment):
 
 def _ratings(tmp_path, events_per_user: int):
     f = tmp_path / "ratings.dat"
-    f.write_text("".join(f"{u}::{i}::4::{i}\n" for u in range(5) for i in range(1, events_per_user + 1)))
+    # Each user's own items: a catalogue larger than the metrics' cut-off 10 (train.check_cutoffs).
+    f.write_text("".join(f"{u}::{u * events_per_user + i}::4::{i}\n" for u in range(5)
+                         for i in range(1, events_per_user + 1)))
     return str(f)
 
 
@@ -104,7 +106,8 @@ def test_a_checkpoint_older_than_a_setting_resumes_with_the_settings_default(tmp
 
 def test_resume_applies_a_new_learning_rate_and_more_epochs(one_epoch, tmp_path, capsys):
     out = _copy(one_epoch, tmp_path / "r")
-    r = train.main(TINY + ["--epochs", "2", "--stop-after", "1", "--lr", "0.001", "--resume", "--out", out])
+    loud = [x for x in TINY if x != "--quiet"]  # the notes go to stderr unless --quiet
+    r = train.main(loud + ["--epochs", "2", "--stop-after", "1", "--lr", "0.001", "--resume", "--out", out])
     err = capsys.readouterr().err
     assert "flexhstu train: resuming: --lr 0.001 replaces the checkpoint's 0.003" in err
     assert "flexhstu train: resuming: --epochs 2 replaces the checkpoint's 3 (1 done)" in err
@@ -118,9 +121,9 @@ def test_resume_keeps_the_runs_learning_rate_and_length_unless_given(one_epoch, 
     out = _copy(one_epoch, tmp_path / "r")
     train.main(TINY + ["--stop-after", "1", "--lr", "0.001", "--resume", "--out", out])
     capsys.readouterr()
-    train.main(TINY + ["--stop-after", "1", "--resume", "--out", out])
+    train.main([x for x in TINY if x != "--quiet"] + ["--stop-after", "1", "--resume", "--out", out])
     err = capsys.readouterr().err
-    assert "replaces" not in err, err
+    assert "flexhstu train: resuming at epoch 3 of 3" in err and "replaces" not in err, err
     state = checkpoint.load(tmp_path / "r" / "checkpoint.pt")
     assert [g["lr"] for g in state["opt"]["param_groups"]] == [0.001]
     assert state["config"]["lr"] == 0.001 and state["config"]["epochs"] == 3 and state["epoch"] == 3
