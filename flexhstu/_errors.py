@@ -6,6 +6,7 @@ import math
 import numbers
 import operator
 
+import numpy as np
 import torch
 
 
@@ -44,13 +45,21 @@ SCALING_RANGE = (1e-37, 1e37)
 
 def as_scaling(arg: str, value: object) -> float:
     """``value`` as a finite float that is ``<= 0`` (the default) or a positive scale inside ``SCALING_RANGE``:
-    a tiny scale's reciprocal overflows float32 to inf (outputs NaN), a huge one's underflows to 0."""
+    a tiny scale's reciprocal overflows float32 to inf (outputs NaN), a huge one's is subnormal or 0."""
     out = as_finite(arg, value)
     lo, hi = SCALING_RANGE
     if out > 0 and not lo <= out <= hi:
         raise bad_value(arg, f"<= 0 (the default) or a scale from {lo:g} to {hi:g} (its reciprocal scales the output "
                         "in float32)", f"{out:g}")
     return out
+
+
+def as_bool(arg: str, value: object) -> bool:
+    """``value`` (a Python or NumPy bool) as a bool; anything else (``"no"``, None, 0) is refused: a truth test
+    would read ``"no"`` as True."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise bad_type(arg, "a bool (Python or NumPy)", type(value).__name__)
 
 
 def as_finite(arg: str, value: object) -> float:

@@ -32,6 +32,15 @@ FORMAT = "flexhstu-checkpoint"
 VERSION = 1
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)  # read by setting it; restored at once (module import, before any thread writes)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _umask()
+
+
 def save(state: dict, path: str | os.PathLike) -> None:
     """Write ``state`` (plus the format marker and version) to ``path`` atomically."""
     _write_atomic(path, lambda f: torch.save({"format": FORMAT, "version": VERSION, **state}, f))
@@ -48,6 +57,7 @@ def _write_atomic(path: str | os.PathLike, write) -> None:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600: the mode a plain open would give (review)
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()

@@ -49,10 +49,10 @@ class Recommender:
     def from_checkpoint(cls, path: str | Path, data: str | None = None, device="cpu") -> Recommender:
         """The best-validation weights of the run of ``path`` (a ``checkpoint.pt``); ``data`` replaces the run's
         ``--data`` path (same contents required)."""
-        from .train import build_model, resolve_device  # train imports the models and the CLI; only needed here
+        from .train import build_model  # train imports the models and the command line; only needed here
 
         path = Path(path)
-        device = resolve_device(argparse.Namespace(device=str(device)), 0)  # a bad device is not a bad checkpoint
+        device = _checked_device(device)  # a bad device is not a bad checkpoint
         state = checkpoint.load(path, map_location=device)
         checkpoint.require(state, path, "config", "best")
         config = state["config"]
@@ -137,6 +137,17 @@ def build_parser() -> Parser:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     p.add_argument("--debug", action="store_true", help="show the traceback of an input error")
     return p
+
+
+def _checked_device(device) -> torch.device:
+    """``device`` as a torch.device that exists here (no side effect: the current CUDA device is left alone)."""
+    try:
+        out = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"--device: expected a torch device such as cpu or cuda, got '{device}'") from e
+    if out.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device: expected cpu (CUDA is not available here), got '{device}'")
+    return out
 
 
 def _ids(text: str | None) -> list[str] | None:

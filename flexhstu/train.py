@@ -210,7 +210,8 @@ def check_cutoffs(a: argparse.Namespace, num_items: int) -> None:
     cuts = {name: int(name.partition("@")[2]) for name in a.metric_names if "@" in name}
     name, k = max(cuts.items(), key=lambda kv: kv[1], default=("", 0))
     if k >= num_items:
-        arg = "--metrics" if a.metrics and name in a.metrics.lower() else "--data"
+        arg = ("--metrics" if a.metrics and name in a.metrics.lower()
+               else "--synthetic-items" if a.data == "synthetic" else "--data")
         raise ValueError(f"{arg}: expected a catalogue of more than {k} items for {name} (every item ranks in the "
                          f"top {k} of {num_items}: the metric would be 1 whatever the model), got {num_items} items")
 
@@ -512,6 +513,8 @@ def resume(a: argparse.Namespace, d: Splits, out: Path, model: torch.nn.Module, 
     saved, now = state["config"], run_config(a, d)
     parser = build_parser()  # a setting added since the checkpoint was written had its default then
     was = {k: saved.get(k, _default(parser, k)) for k in (*FIXED_ON_RESUME, "data_rows", "num_items")}
+    if was["model"] != "hstu":  # only hstu has a mask: older runs of other models recorded any --mask given
+        was["mask"] = now["mask"]
     changed = [f"--{k.replace('_', '-')} {was[k]!r} in the checkpoint, {now[k]!r} now" for k in was if was[k] != now[k]]
     if changed:
         raise ValueError(f"--resume: expected the run of {ckpt}, got a different one: " + "; ".join(changed))

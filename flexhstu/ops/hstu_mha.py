@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from .._errors import as_finite, as_int, as_scaling, bad_type, bad_value
+from .._errors import as_bool, as_finite, as_int, as_scaling, bad_type, bad_value
 from ..jagged import (
     can_read_values,
     check_lengths_at_most,
@@ -96,7 +96,8 @@ def hstu_mha(
       Otherwise the fixed rule applies with those arguments; ``num_targets`` is an
       integer ``(B,)`` tensor with ``0 <= T <= L``.
     - ``dropout_pr``: in ``[0, 1)``, applied to ``A`` when ``training``.
-    - ``scaling_seqlen``: finite; ``<= 0`` means ``max_seq_len`` (1 when that is 0).
+    - ``scaling_seqlen``: ``<= 0`` means ``max_seq_len`` (1 when that is 0); a positive scale lies in
+      ``1e-37 .. 1e37`` (its float32 reciprocal scales the output).
     - ``attn_scale``: a floating tensor, scalar ``()`` or one factor per query row
       ``(total,)``, on q's device, used instead of ``1 / scaling_seqlen`` (leave that at
       its default): ``A = silu(S) * M * attn_scale[row]`` (docs/design.md, section 10).
@@ -185,13 +186,11 @@ def _check_same_device(q: torch.Tensor, **tensors: torch.Tensor | None) -> None:
 
 
 def _checked_rule(rule: FixedRule, batch: int) -> FixedRule:
-    if not isinstance(rule.causal, bool) and type(rule.causal).__name__ != "bool_":  # numpy's bool passes
-        # "no" or None would pass a truth test (audit: causal="no" ran causal, None non-causal)
-        raise bad_type("causal", "a bool", type(rule.causal).__name__)
+    causal = as_bool("causal", rule.causal)  # "no" or None would pass a truth test (audit)
     if rule.num_targets is not None:
         check_num_targets_meta(rule.num_targets, batch)
     ints = {name: as_int(name, getattr(rule, name)) for name in FixedRule._fields[2:]}
-    return rule._replace(causal=bool(rule.causal), **ints)
+    return rule._replace(causal=causal, **ints)
 
 
 def _check_func_alone(attn_func: torch.Tensor, rule: FixedRule, q: torch.Tensor) -> None:

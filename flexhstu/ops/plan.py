@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .._errors import as_int, bad_type, bad_value
+from .._errors import as_bool, as_int, bad_type, bad_value
 from ..jagged import can_read_values, check_offsets_meta, row_coords
 from ..masks.format import check_func_meta, validate
 from ..masks.rules import FixedRule
@@ -174,11 +174,12 @@ def build_plan(seq_offsets: torch.Tensor, *, total: int, max_seq_len: int, attn_
             validate(attn_func, seq_offsets)
         mask: torch.Tensor | FixedRule = attn_func
     else:
+        causal = as_bool("causal", causal)
         if not causal and (num_targets, max_attn_len, contextual_seq_len) != (None, 0, 0):
             raise bad_value("causal", "True when num_targets, max_attn_len or contextual_seq_len is given", causal)
         if num_targets is not None and (num_targets.dim() != 1 or num_targets.numel() != seq_offsets.numel() - 1):
             raise bad_value("num_targets", f"shape ({seq_offsets.numel() - 1},)", tuple(num_targets.shape))
-        mask = FixedRule(bool(causal), num_targets, as_int("max_attn_len", max_attn_len),
+        mask = FixedRule(causal, num_targets, as_int("max_attn_len", max_attn_len),
                          as_int("contextual_seq_len", contextual_seq_len),
                          as_int("min_full_attn_seq_len", min_full_attn_seq_len))
     return AttnPlan(seq_offsets, total, max_seq_len, mask, sparse)

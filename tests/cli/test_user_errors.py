@@ -44,7 +44,7 @@ def _status(argv) -> int:
     (["train", "--model", "popularity", "--mask", "sla"],
      "--mask: expected causal (the default) for --model popularity"),
     (["train", "--data", "synthetic", "--synthetic-items", "5"],
-     "--data: expected a catalogue of more than 10 items for hr@10"),
+     "--synthetic-items: expected a catalogue of more than 10 items for hr@10"),
     (["train", "--data", "synthetic", "--metrics", "hr@5000"],
      "--metrics: expected a catalogue of more than 5000 items for hr@5000"),
     (["recommend", "--users", "1", "--candidates", ""], "--candidates: expected comma-separated item ids, got ''"),

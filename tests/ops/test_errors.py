@@ -70,8 +70,8 @@ CASES = [
      r"1e-37 to 1e\+37 .*got 1e-300"),
     (dict(scaling_seqlen=1e300), ValueError, r"scaling_seqlen: expected <= 0 .*got 1e\+300"),
     # Any truthy object ran causal, None non-causal (audit).
-    (dict(causal="no"), TypeError, r"causal: expected a bool, got str"),
-    (dict(causal=None), TypeError, r"causal: expected a bool, got NoneType"),
+    (dict(causal="no"), TypeError, r"causal: expected a bool \(Python or NumPy\), got str"),
+    (dict(causal=None), TypeError, r"causal: expected a bool \(Python or NumPy\), got NoneType"),
     (dict(dropout_pr=float("nan")), ValueError, r"dropout_pr: expected a probability in \[0, 1\), got nan"),
     (dict(dropout_pr=-0.1), ValueError, r"dropout_pr: expected a probability in \[0, 1\), got -0.1"),
     (dict(max_seq_len=True), TypeError, r"max_seq_len: expected a non-negative int \(not a bool\), got True"),
@@ -152,3 +152,16 @@ def test_offsets_that_disagree_with_the_data_raise_under_compile(batch, kw, msg)
 def test_compiled_call_with_good_offsets_equals_eager(batch):
     nt = torch.tensor([2, 1])
     torch.testing.assert_close(compiled_call(batch, num_targets=nt), call(batch, num_targets=nt, kernel=Kernel.PYTORCH))
+
+
+def test_a_numpy_bool_is_a_bool_for_causal():
+    # Review: the first form of the causal check refused np.True_ ("expected a bool, got bool").
+    import numpy as np
+
+    offs = torch.tensor([0, 3, 5])
+    q = torch.randn(5, 1, 8)
+    got = flexhstu.hstu_mha(3, None, q, q, q, offs, causal=np.True_, kernel=flexhstu.Kernel.PYTORCH)
+    torch.testing.assert_close(got, flexhstu.hstu_mha(3, None, q, q, q, offs, kernel=flexhstu.Kernel.PYTORCH))
+    flexhstu.build_plan(offs, total=5, max_seq_len=3, causal=np.False_)
+    with pytest.raises(TypeError, match=r"causal: expected a bool \(Python or NumPy\), got str"):
+        flexhstu.build_plan(offs, total=5, max_seq_len=3, causal="no")

@@ -106,3 +106,13 @@ def test_temporary_files_of_killed_writers_are_removed_and_live_ones_kept(tmp_pa
     checkpoint.save({"epoch": 1}, path)
     assert not orphan.exists() and live.exists()
     assert checkpoint.load(path)["epoch"] == 1
+
+
+def test_metrics_and_checkpoints_get_the_mode_a_plain_write_would(tmp_path):
+    # Review: mkstemp's 0600 made metrics.json unreadable to the group of a shared run folder.
+    mask = os.umask(0o022)
+    os.umask(mask)
+    checkpoint.write_text(tmp_path / "metrics.json", "{}")
+    checkpoint.save({"epoch": 1}, tmp_path / "checkpoint.pt")
+    for name in ("metrics.json", "checkpoint.pt"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o666 & ~mask
