@@ -69,6 +69,24 @@ class STULayerConfig:
             raise bad_value("rel_bias_buckets", "a non-negative int", self.rel_bias_buckets)
 
 
+def check_rows(x: object, layer: STULayer, arg: str = "x") -> None:
+    """``x`` must be a floating ``(total, embedding_dim)`` tensor of the layer's dtype (any dtype under autocast,
+    which casts inside the layer): otherwise a clear error here, not a shape or dtype error deep in a norm or a
+    matmul (metadata only, no device read)."""
+    d = layer.cfg.embedding_dim
+    if not isinstance(x, torch.Tensor):
+        raise bad_type(arg, f"a (total, {d}) tensor", type(x).__name__)
+    if x.dim() != 2 or x.shape[1] != d:
+        raise bad_value(arg, f"a (total, {d}) tensor (embedding_dim={d})", f"shape {tuple(x.shape)}")
+    dtype = layer.norm.weight.dtype
+    if not x.is_floating_point():
+        raise bad_type(arg, f"a floating tensor ({dtype}, the layer's parameters)", x.dtype)
+    if x.dtype != dtype and not torch.is_autocast_enabled(x.device.type):
+        raise bad_type(arg, f"{dtype} (the layer's parameters; or run under torch.autocast)", x.dtype)
+    if x.device != layer.norm.weight.device:
+        raise bad_value(arg, f"a tensor on {layer.norm.weight.device} (the layer's parameters)", x.device)
+
+
 def _is_int(x: object) -> bool:
     """An integer, Python's or numpy's (``numbers.Integral``), and not a bool."""
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
@@ -101,6 +119,7 @@ class STULayer(nn.Module):
 
     def forward(self, x: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int,
                 timestamps: torch.Tensor | None = None, **mask_kwargs) -> torch.Tensor:
+        check_rows(x, self)
         if self.rel_bias is not None:
             if timestamps is None:
                 raise bad_value("timestamps", "the (total,) event times (this layer has a relative attention bias)",
@@ -166,6 +185,7 @@ class STUStack(nn.Module):
     def forward(self, x: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int,
                 timestamps: torch.Tensor | None = None, *, attn_plan: AttnPlan | None = None,
                 sparse: bool | None = None, **mask_kwargs) -> torch.Tensor:
+        check_rows(x, self.layers[0])
         if attn_plan is None:
             attn_plan = build_plan(seq_offsets, total=x.shape[0], max_seq_len=max_seq_len, sparse=sparse,
                                    **mask_kwargs)

@@ -104,6 +104,31 @@ def test_bad_config_names_the_field(field, value, words):
     assert str(err.value) == words
 
 
+@pytest.mark.parametrize("x, err, words", [
+    (torch.zeros(64, DIM // 2), ValueError, "x: expected a (total, 32) tensor (embedding_dim=32), got shape (64, 16)"),
+    (torch.zeros(64, 1, DIM), ValueError, "x: expected a (total, 32) tensor (embedding_dim=32), got shape (64, 1, 32)"),
+    (torch.zeros(64, DIM, dtype=torch.float64), TypeError,
+     "x: expected torch.float32 (the layer's parameters; or run under torch.autocast), got torch.float64"),
+    (torch.zeros(64, DIM, dtype=torch.int64), TypeError,
+     "x: expected a floating tensor (torch.float32, the layer's parameters), got torch.int64"),
+    ([0.0] * 64, TypeError, "x: expected a (total, 32) tensor, got list"),
+])
+def test_bad_rows_name_x_in_the_layer_and_the_stack(x, err, words):
+    stack, offs = _stack(0.0, num_layers=1), offsets_from(LENGTHS)
+    for call in (lambda: stack(x, offs, 64), lambda: stack.layers[0](x, offs, 64)):
+        with pytest.raises(err) as e:
+            call()
+        assert str(e.value) == words
+
+
+def test_rows_of_another_dtype_run_under_autocast():
+    stack, offs = _stack(0.0, num_layers=1), offsets_from(LENGTHS)
+    x = torch.randn(sum(LENGTHS), DIM)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = stack(x.bfloat16(), offs, 64)
+    assert out.shape == x.shape and torch.isfinite(out).all()
+
+
 def activation_bytes(fn, params) -> int:
     """Bytes the autograd graph of ``fn()`` saves, counted once per storage, parameters left out."""
     param_storages = {p.untyped_storage().data_ptr() for p in params}
