@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._errors import as_int, bad_value
+from .._errors import as_int, bad_type, bad_value
 
 
 @dataclass
@@ -76,9 +76,9 @@ class HistoryCache:
         return self._entry(user).length
 
     def put(self, user: Hashable, entry: UserHistory) -> None:
-        """Store (or replace) ``user``'s history."""
-        if len(entry.k) != self.num_layers or len(entry.v) != self.num_layers:
-            raise bad_value("entry", f"K and V for {self.num_layers} layers", f"{len(entry.k)} and {len(entry.v)}")
+        """Store (or replace) ``user``'s history (checked: an entry that does not fit the others would fail
+        later, in ``gather`` for another request)."""
+        self._check_entry(entry)
         if entry.length > self.max_seq_len:
             raise bad_value("entry", f"a history of at most max_seq_len={self.max_seq_len} rows", entry.length)
         self._users[user] = entry
@@ -86,6 +86,7 @@ class HistoryCache:
     def append(self, user: Hashable, entry: UserHistory) -> None:
         """Append rows (``entry``: the new rows' K and V per layer, and their last output) to ``user``'s history."""
         old = self._entry(user)
+        self._check_entry(entry)
         k = [torch.cat([a, b]) for a, b in zip(old.k, entry.k)]
         v = [torch.cat([a, b]) for a, b in zip(old.v, entry.v)]
         self.put(user, UserHistory(k, v, entry.last if entry.length else old.last))
@@ -119,6 +120,41 @@ class HistoryCache:
         k = [laid_out([e.k[layer] for e in entries]) for layer in range(self.num_layers)]
         v = [laid_out([e.v[layer] for e in entries]) for layer in range(self.num_layers)]
         return JaggedHistory(k, v, offsets, lengths, room)
+
+    def _check_entry(self, entry: UserHistory) -> None:
+        """Per layer ``k (L, H, Dqk)`` and ``v (L, H, Dv)`` of one length ``L``, shaped, typed and placed like
+        the entries already cached; ``last`` a ``(D,)`` tensor, None only for an empty history."""
+        if not isinstance(entry, UserHistory):
+            raise bad_type("entry", "a flexhstu.serving.UserHistory", type(entry).__name__)
+        if len(entry.k) != self.num_layers or len(entry.v) != self.num_layers:
+            raise bad_value("entry", f"K and V for {self.num_layers} layers", f"{len(entry.k)} and {len(entry.v)}")
+        like = next(iter(self._users.values()), None)
+        rows = None
+        for name, parts in (("k", entry.k), ("v", entry.v)):
+            for layer, t in enumerate(parts):
+                arg = f"entry.{name}[{layer}]"
+                if not isinstance(t, torch.Tensor) or t.dim() != 3:
+                    got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                    raise bad_value(arg, "a (rows, heads, dim) tensor", got)
+                rows = t.shape[0] if rows is None else rows
+                if t.shape[0] != rows:
+                    raise bad_value(arg, f"{rows} rows (as entry.k[0]: one length for every layer's K and V)",
+                                    t.shape[0])
+                if like is not None:
+                    ref = getattr(like, name)[layer]
+                    if t.shape[1:] != ref.shape[1:] or t.dtype != ref.dtype or t.device != ref.device:
+                        raise bad_value(arg, f"(rows, {', '.join(map(str, ref.shape[1:]))}) {ref.dtype} on "
+                                        f"{ref.device}, like the cached users'",
+                                        f"{tuple(t.shape)} {t.dtype} on {t.device}")
+        for layer, (k, v) in enumerate(zip(entry.k, entry.v)):
+            if k.shape[1] != v.shape[1]:
+                raise bad_value(f"entry.v[{layer}]", f"{k.shape[1]} heads (as entry.k[{layer}])", v.shape[1])
+        if entry.last is None and rows:
+            raise bad_value("entry.last", "the stack's output at the last history row (None only for an empty "
+                            "history)", None)
+        if entry.last is not None and (not isinstance(entry.last, torch.Tensor) or entry.last.dim() != 1):
+            got = f"shape {tuple(entry.last.shape)}" if isinstance(entry.last, torch.Tensor) else entry.last
+            raise bad_value("entry.last", "a (D,) tensor", got)
 
     def _entry(self, user: Hashable) -> UserHistory:
         if user not in self._users:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from .._errors import bad_value
 from ..jagged import check_offsets_meta, check_offsets_values, row_coords
 from ..nn import STULayer, STUStack
+from ..nn.stu import check_rows
 from ..ops.delta import delta_hstu_mha
 from .cache import HistoryCache, JaggedHistory, UserHistory
 
@@ -133,11 +134,13 @@ def prefill(stack: STUStack, cache: HistoryCache, users: Sequence[Hashable], x: 
     """Run the stack over whole histories ``x (T_h, D)`` (jagged by ``seq_offsets (B + 1,)``, one per user),
     store each user's K and V (replacing what was cached) and return the outputs ``(T_h, D)``.
     ``mask`` is the histories' mask (causal when None). Reads the offsets once (a sync on CUDA)."""
+    check_rows(x, stack.layers[0])
     _check_users(users, seq_offsets)
-    _check_offsets(seq_offsets, "seq_offsets", x)
+    offs = _read_offsets(seq_offsets, "seq_offsets", x)
+    _check_cache_fits(cache, users, offs)  # before any work: a refused call leaves the cache as it was
     history = empty_history(stack, len(users), x)
     out, ks, vs = stack_delta(stack, x, history, seq_offsets, max_seq_len=cache.max_seq_len, mask=mask)
-    _store(cache.put, users, seq_offsets, out, ks, vs)
+    _store(cache.put, users, offs, out, ks, vs)
     return out
 
 
@@ -148,16 +151,17 @@ def extend(stack: STUStack, cache: HistoryCache, users: Sequence[Hashable], x: t
 
     Equal to ``prefill`` of the grown histories when the rows' inputs ``x`` are what a full run would give
     them and earlier rows never see later ones (causal-like masks)."""
+    check_rows(x, stack.layers[0])
     _check_users(users, new_offsets)
-    _check_offsets(new_offsets, "new_offsets", x)
+    offs = _read_offsets(new_offsets, "new_offsets", x)
+    _check_cache_fits(cache, users, offs, grown=True)
     history = cache.gather(users)
     out, ks, vs = stack_delta(stack, x, history, new_offsets, max_seq_len=cache.max_seq_len, mask=mask)
-    _store(cache.append, users, new_offsets, out, ks, vs)
+    _store(cache.append, users, offs, out, ks, vs)
     return out
 
 
-def _store(write, users, offsets: torch.Tensor, out: torch.Tensor, ks: list, vs: list) -> None:
-    offs = offsets.tolist()
+def _store(write, users, offs: list[int], out: torch.Tensor, ks: list, vs: list) -> None:
     for b, user in enumerate(users):
         lo, hi = offs[b], offs[b + 1]
         # Copies: a view would keep the whole batch's tensors alive after other users are evicted.
@@ -165,10 +169,23 @@ def _store(write, users, offsets: torch.Tensor, out: torch.Tensor, ks: list, vs:
                                 out[hi - 1].clone() if hi > lo else None))
 
 
-def _check_offsets(offsets: torch.Tensor, arg: str, x: torch.Tensor) -> None:
-    """Offsets that jag the rows of ``x`` (read: prefill and extend read them anyway to store the cache)."""
+def _read_offsets(offsets: torch.Tensor, arg: str, x: torch.Tensor) -> list[int]:
+    """The offsets as host ints, checked to jag the rows of ``x`` (one read: prefill and extend need the values
+    to store the cache anyway)."""
     check_offsets_meta(offsets, arg)
-    check_offsets_values(offsets, arg, total=x.shape[0])
+    offs = offsets.detach().to("cpu", torch.int64)
+    check_offsets_values(offs, arg, total=x.shape[0])
+    return offs.tolist()
+
+
+def _check_cache_fits(cache: HistoryCache, users: Sequence[Hashable], offs: list[int], grown: bool = False) -> None:
+    """Every user's history (its cached rows too when ``grown``) within the cache's ``max_seq_len``."""
+    for b, user in enumerate(users):
+        rows = offs[b + 1] - offs[b] + (cache.length(user) if grown else 0)
+        if rows > cache.max_seq_len:
+            what = "cached and new rows" if grown else "rows"
+            raise bad_value(f"history of user {user!r}", f"at most the cache's max_seq_len={cache.max_seq_len} rows",
+                            f"{rows} {what}")
 
 
 def _check_users(users: Sequence[Hashable], offsets: torch.Tensor) -> None:

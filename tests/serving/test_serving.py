@@ -131,8 +131,10 @@ def test_cache_errors_name_the_user_and_the_bound():
     model = OneRankModel(50, dim=16, layers=1, heads=2, max_len=40, kernel="pytorch").eval()
     hist, times, hoffs, cands, _ = ranking_request()
     cache = HistoryCache(1, 6)
-    with pytest.raises(ValueError, match=r"max_seq_len: expected at least every sequence length"):
-        model.cache_histories(cache, ["a", "b", "c", "d"], hist, times, hoffs)  # c has 8 rows > 6
+    with pytest.raises(ValueError, match=r"history of user 'c': expected at most the cache's max_seq_len=6 rows, "
+                                         r"got 8 rows"):
+        model.cache_histories(cache, ["a", "b", "c", "d"], hist, times, hoffs)
+    assert len(cache) == 0
     cache = HistoryCache(1, 32)
     with pytest.raises(ValueError, match=r"users: expected one user per sequence \(4\), got 3"):
         model.cache_histories(cache, ["a", "b", "c"], hist, times, hoffs)
@@ -267,3 +269,54 @@ def test_retrieval_entry_points_refuse_offsets_that_do_not_jag_their_rows(offs, 
     x = torch.randn(5, 16)
     with pytest.raises(ValueError, match="seq_offsets" + msg):
         serving.prefill(model.stack, HistoryCache(1, 24), ["p", "q"], x, torch.tensor(offs))
+
+
+def test_a_refused_prefill_or_extend_leaves_the_cache_as_it_was():
+    torch.manual_seed(0)
+    model = HSTURetrieval(30, dim=16, layers=1, heads=2, max_len=20, kernel="pytorch", rel_bias=False).eval()
+    cache = HistoryCache(1, 6)
+    serving.prefill(model.stack, cache, ["a", "b"], torch.randn(7, 16), offsets_from([2, 5]))
+    before = {u: cache.length(u) for u in ("a", "b")}
+    with pytest.raises(ValueError, match=r"history of user 'b': expected at most the cache's max_seq_len=6 rows, "
+                                         r"got 7 cached and new rows"):
+        serving.extend(model.stack, cache, ["a", "b"], torch.randn(4, 16), offsets_from([2, 2]))
+    assert {u: cache.length(u) for u in ("a", "b")} == before  # "a" alone would have fitted: not appended either
+    with pytest.raises(ValueError, match=r"history of user 'd': expected at most .*got 7 rows"):
+        serving.prefill(model.stack, cache, ["c", "d"], torch.randn(9, 16), offsets_from([2, 7]))
+    assert "c" not in cache and "d" not in cache
+    with pytest.raises(ValueError, match=r"x: expected a \(total, 16\) tensor \(embedding_dim=16\), got shape "
+                                         r"\(3, 8\)"):
+        serving.extend(model.stack, cache, ["a"], torch.randn(3, 8), offsets_from([3]))
+    with pytest.raises(TypeError, match=r"x: expected torch.float32 .*got torch.float64"):
+        serving.prefill(model.stack, cache, ["e"], torch.randn(3, 16, dtype=torch.float64), offsets_from([3]))
+    assert {u: cache.length(u) for u in ("a", "b")} == before and len(cache) == 2
+
+
+def test_cache_put_refuses_entries_that_would_fail_a_later_gather():
+    from flexhstu.serving.cache import UserHistory
+
+    cache = HistoryCache(2, 8)
+    k, v, last = torch.zeros(3, 2, 4), torch.zeros(3, 2, 5), torch.zeros(16)
+    cache.put("a", UserHistory([k, k], [v, v], last))
+    bad = [
+        (UserHistory([k], [v], last), ValueError, r"entry: expected K and V for 2 layers, got 1 and 1"),
+        (UserHistory([k, k[:2]], [v, v], last), ValueError, r"entry.k\[1\]: expected 3 rows .*got 2"),
+        (UserHistory([k, k], [v, v[:, :1]], last), ValueError, r"entry.v\[1\]: expected \(rows, 2, 5\) torch.float32"),
+        (UserHistory([k, k.double()], [v, v], last), ValueError, r"entry.k\[1\]: expected \(rows, 2, 4\) torch.flo"),
+        (UserHistory([k, k[0]], [v, v], last), ValueError, r"entry.k\[1\]: expected a \(rows, heads, dim\) tensor, "
+                                                           r"got shape \(2, 4\)"),
+        (UserHistory([k, k], [v, v], None), ValueError, r"entry.last: expected the stack's output"),
+        (UserHistory([k, k], [v, v], last[None]), ValueError, r"entry.last: expected a \(D,\) tensor, got shape"),
+        ((k, v), TypeError, r"entry: expected a flexhstu.serving.UserHistory, got tuple"),
+    ]
+    for entry, err, msg in bad:
+        with pytest.raises(err, match=msg):
+            cache.put("b", entry)
+        with pytest.raises(err, match=msg):
+            cache.append("a", entry)
+    assert "b" not in cache and cache.length("a") == 3
+    fresh = HistoryCache(1, 8)
+    with pytest.raises(ValueError, match=r"entry.v\[0\]: expected 2 heads \(as entry.k\[0\]\), got 3"):
+        fresh.put("a", UserHistory([k[:, :2]], [torch.zeros(3, 3, 5)], last))
+    cache.append("a", UserHistory([k[:0], k[:0]], [v[:0], v[:0]], None))  # nothing new: allowed, last kept
+    assert cache.length("a") == 3 and cache.last(["a"])[0] is last
