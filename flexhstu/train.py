@@ -56,6 +56,15 @@ FIXED_ON_RESUME = ("task", "model", "data", "columns", "mask", "sla_k1", "sla_k2
                    "dim", "layers", "heads", "max_len", "dropout", "negatives", "batch_size", "seed",
                    "synthetic_users", "synthetic_items", "synthetic_len", "steps_per_epoch", "eval_users",
                    "shard_embeddings")
+BUILTIN_DATA = ("ml-100k", "synthetic")
+
+
+def data_path(data: str) -> str:
+    """``--data`` as a run records it: a file as an absolute path (``--resume`` and ``flexhstu recommend`` read it
+    again from any directory; a relative one would name another file there), a built-in name as given."""
+    return data if data in BUILTIN_DATA else os.path.abspath(data)
+
+
 SYNTHETIC_DEFAULTS = {"synthetic_users": 300, "synthetic_items": 200, "synthetic_len": 40}
 IDS_IN_CHECKPOINT = 1 << 20  # a synthetic run records its ids (1..n) for `recommend` up to this many
 WARMUP_STEPS = 3  # steps of each invocation left out of the steady tokens/s (allocation, kernel compilation)
@@ -169,6 +178,7 @@ def build_parser() -> Parser:
 def parse(argv=None) -> argparse.Namespace:
     p = build_parser()
     a = p.parse_args(argv)
+    a.data = data_path(a.data)
     if not a.resume:  # on --resume, what is not given is the checkpoint's (resume)
         if a.epochs is None:
             a.epochs = 60 if a.task == "retrieval" else 4
@@ -513,6 +523,7 @@ def resume(a: argparse.Namespace, d: Splits, out: Path, model: torch.nn.Module, 
     saved, now = state["config"], run_config(a, d)
     parser = build_parser()  # a setting added since the checkpoint was written had its default then
     was = {k: saved.get(k, _default(parser, k)) for k in (*FIXED_ON_RESUME, "data_rows", "num_items")}
+    was["data"] = data_path(was["data"])  # older runs recorded the path as given: read from here, as they did
     if was["model"] != "hstu":  # only hstu has a mask: older runs of other models recorded any --mask given
         was["mask"] = now["mask"]
     changed = [f"--{k.replace('_', '-')} {was[k]!r} in the checkpoint, {now[k]!r} now" for k in was if was[k] != now[k]]
@@ -678,7 +689,7 @@ def train_epoch(a: argparse.Namespace, epoch: int, d: Splits, model, ddp, opt, r
 
 def plot_title(a: argparse.Namespace) -> str:
     """Model, mask and data of a run, for its plot."""
-    data = Path(a.data).name if a.data not in ("ml-100k", "synthetic") else a.data
+    data = Path(a.data).name if a.data not in BUILTIN_DATA else a.data
     if a.model == "onerank":
         mask = "targets mask" if a.no_task_tokens else "task tokens"
     elif a.model == "hstu" and a.mask == "sla":

@@ -163,3 +163,24 @@ def test_a_bad_column_mapping_is_an_argparse_error(capsys):
     assert e.value.code == 2
     assert capsys.readouterr().err.strip() == ("flexhstu train: error: argument --columns: expected user, item and "
                                                "time (rating is optional), missing time")
+
+
+def test_a_relative_data_path_resumes_and_recommends_from_another_directory(tmp_path, monkeypatch):
+    # A run recorded --data as typed: from another directory, --resume and recommend read another file or none.
+    from flexhstu.recommend import Recommender
+
+    monkeypatch.setenv("FLEXHSTU_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    _ratings(tmp_path / "a", 6)
+    monkeypatch.chdir(tmp_path / "a")
+    argv = TINY[2:] + ["--data", "ratings.dat", "--epochs", "2", "--out", str(tmp_path / "r")]
+    train.main(argv + ["--stop-after", "1"])
+    assert checkpoint.load(tmp_path / "r" / "checkpoint.pt")["config"]["data"] == str(tmp_path / "a" / "ratings.dat")
+    monkeypatch.chdir(tmp_path / "b")
+    # Same name and size here, other users: read instead, user "0" would be unknown.
+    (tmp_path / "b" / "ratings.dat").write_text((tmp_path / "a" / "ratings.dat").read_text().replace("\n", "\n1")[:-1])
+    history = train.main(TINY[2:] + ["--data", "../a/ratings.dat", "--epochs", "2", "--resume",
+                                     "--out", str(tmp_path / "r")])["history"]
+    assert [h["epoch"] for h in history] == [1, 2]
+    rec = Recommender.from_checkpoint(tmp_path / "r" / "checkpoint.pt")
+    assert len(rec.recommend(["0"], k=3)[0].items) == 3
