@@ -19,11 +19,13 @@ class UserError(Exception):
 
 
 class Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line (no usage block) with exit status 2, and whose ``--help``
-    shows every option's default after its sentence."""
+    """An argument parser whose errors are one line (no usage block) with exit status 2, whose ``--help``
+    shows every option's default after its sentence, and which takes options by their whole names only (an
+    abbreviation that works today would change meaning or fail once an option with the same prefix is added)."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from .. import Kernel, hstu_mha, masks
+from .. import Kernel, __version__, hstu_mha, masks
 from ..jagged import offsets_from_lengths
 from ..masks import picture
 from .common import Parser, UserError, lengths_list, non_negative_int, positive_int, run, user_input
@@ -150,6 +150,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def build_parser() -> Parser:
     """The ``flexhstu`` parser; ``train`` and ``bench`` parse their own arguments (``flexhstu train --help``)."""
     parser = Parser(prog="flexhstu", description="HSTU attention under interval masks")
+    parser.add_argument("--version", action="version", version=f"flexhstu {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     demo = sub.add_parser("demo", help="run hstu_mha on SLA and OneRank masks, check it, draw the masks",

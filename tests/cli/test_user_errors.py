@@ -48,6 +48,11 @@ def _status(argv) -> int:
     (["train", "--data", "synthetic", "--metrics", "hr@5000"],
      "--metrics: expected a catalogue of more than 5000 items for hr@5000"),
     (["recommend", "--users", "1", "--candidates", ""], "--candidates: expected comma-separated item ids, got ''"),
+    # Whole option names only: an abbreviation would change meaning once an option with its prefix is added.
+    (["train", "--data", "synthetic", "--ep", "1"], "unrecognized arguments: --ep 1"),
+    (["show-mask", "sla", "--len", "20"], "the following arguments are required: --lengths"),
+    (["recommend", "--user", "1"], "the following arguments are required: --users"),
+    (["bench", "--suit"], "unrecognized arguments: --suit"),
 ])
 def test_a_mistake_is_one_line_and_status_2(tmp_path, capsys, monkeypatch, argv, fragment):
     if argv[0] == "train":
@@ -115,3 +120,12 @@ def test_a_checkpoint_without_a_runs_entries_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"flexhstu train: error: {tmp_path / 'checkpoint.pt'}: not a complete flexhstu run checkpoint "
                    "(no 'config' entry)"], err
+
+
+def test_version_prints_the_packages_version(capsys):
+    from importlib.metadata import version
+
+    import flexhstu
+
+    assert _status(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"flexhstu {flexhstu.__version__}" == f"flexhstu {version('flexhstu')}"
