@@ -151,3 +151,26 @@ def test_kv_lengths_past_the_slot_are_refused_on_the_host_and_clamped_in_the_ker
     want = triton_delta_hstu_mha(q[rows], ks, vs, slot_offs, q_offsets, q_start, alpha=0.3, out_scale=1 / 80,
                                  kv_lengths=torch.tensor([40, 0, 70, 0]))
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("bad_kv, bad_q", [
+    ([0, 40, 40, 110, 119], [0, 30, 30, 80, 89]),  # valid: the safe copies equal them
+    ([0, 60, 20, 130, 119], [0, 30, 30, 80, 89]),  # key offsets decrease, then pass the keys' end
+    ([-9, 40, 40, 110, 200], [0, 50, 10, 95, 89]),  # negative first, last past the end; query offsets too
+    ([0, 40, 40, 110, 119], [3, 30, 29, 80, 70]),  # query offsets neither start at 0 nor end at the rows
+])
+def test_offsets_that_break_the_rules_keep_the_delta_kernel_inside_its_buffers(bad_kv, bad_q):
+    # On CUDA delta_hstu_mha reads no offsets (no sync): the kernel follows safe copies (clamped, non-decreasing,
+    # 0 first, the rows last). In bounds (the interpreter raises on an out-of-bounds access) and equal to the
+    # reference on the safe offsets.
+    from flexhstu.ops.pytorch.delta import pytorch_delta_hstu_mha
+    from flexhstu.ops.triton.tables import safe_offsets
+
+    q, k, v, _, rows, _, q_start = batch()
+    bad_kv, bad_q = torch.tensor(bad_kv), torch.tensor(bad_q)
+    got = triton_delta_hstu_mha(q[rows], k, v, bad_kv, bad_q, q_start, alpha=0.3, out_scale=1 / 80)
+    safe_kv, safe_q = safe_offsets(bad_kv, k.shape[0]), safe_offsets(bad_q, rows.numel())
+    assert safe_kv[0] == 0 and safe_kv[-1] == k.shape[0] and (safe_kv.diff() >= 0).all()
+    want = pytorch_delta_hstu_mha(q[rows], k, v, safe_kv, safe_q, q_start, flexhstu.masks.rules.FixedRule(),
+                                  alpha=0.3, scaling_seqlen=80, max_seq_len=200)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)

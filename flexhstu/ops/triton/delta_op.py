@@ -15,7 +15,7 @@ from .delta import delta_forward_kernel
 from .limits import tile_dim
 from .op import Visibility, _attention_args, _interpreting, _last_dim_contiguous
 from .rules import MODE_CAUSAL, MODE_FIXED, MODE_FUNC
-from .tables import block_table
+from .tables import block_table, safe_offsets
 
 MAX_SPLITS = 16
 _FORCED_SPLITS: ContextVar[int | None] = ContextVar("flexhstu_delta_splits", default=None)
@@ -56,8 +56,11 @@ def delta_forward(delta_q, k, v, offs, q_offs, q_start, vis: Visibility, alpha: 
     delta_q, k, v = _last_dim_contiguous(delta_q, k, v)
     total_q, nheads, dqk = delta_q.shape
     dv = v.shape[2]
-    if total_q == 0 or k.shape[0] == 0:
+    if total_q == 0 or k.shape[0] == 0 or q_offs.shape[0] < 2:  # no keys, or no sequence to own the rows
         return torch.zeros(total_q, nheads, dv, dtype=delta_q.dtype, device=delta_q.device)
+    # The kernel follows safe copies of both offsets (one launch each, no sync; equal to them when valid): on CUDA
+    # nothing reads them, and bad ones would otherwise place a block table entry, a row or a key past its buffer.
+    offs, q_offs = safe_offsets(offs, k.shape[0]), safe_offsets(q_offs, total_q)
     interpreting = _interpreting()
     tile = tiles(tile_dim(dqk), tile_dim(dv), interpreting).forward
     qtab, nqb = block_table(q_offs, total_q, tile.block_m)
