@@ -69,22 +69,25 @@ class STULayerConfig:
             raise bad_value("rel_bias_buckets", "a non-negative int", self.rel_bias_buckets)
 
 
-def check_rows(x: object, layer: STULayer, arg: str = "x") -> None:
-    """``x`` must be a floating ``(total, embedding_dim)`` tensor of the layer's dtype (any dtype under autocast,
-    which casts inside the layer): otherwise a clear error here, not a shape or dtype error deep in a norm or a
-    matmul (metadata only, no device read)."""
-    d = layer.cfg.embedding_dim
+def check_rows(x: object, dim: int, dtypes: tuple[torch.dtype, ...] = (), device: torch.device | None = None,
+               autocast_ok: bool = True, arg: str = "x") -> None:
+    """``x`` must be a ``(total, dim)`` tensor; with ``dtypes``, floating and of one of them (any floating dtype
+    under autocast when ``autocast_ok``, autocast casting inside); with ``device``, on it. A clear error here,
+    not a shape or dtype error deep in a norm or a matmul (metadata only, no device read)."""
     if not isinstance(x, torch.Tensor):
-        raise bad_type(arg, f"a (total, {d}) tensor", type(x).__name__)
-    if x.dim() != 2 or x.shape[1] != d:
-        raise bad_value(arg, f"a (total, {d}) tensor (embedding_dim={d})", f"shape {tuple(x.shape)}")
-    dtype = layer.norm.weight.dtype
-    if not x.is_floating_point():
-        raise bad_type(arg, f"a floating tensor ({dtype}, the layer's parameters)", x.dtype)
-    if x.dtype != dtype and not torch.is_autocast_enabled(x.device.type):
-        raise bad_type(arg, f"{dtype} (the layer's parameters; or run under torch.autocast)", x.dtype)
-    if x.device != layer.norm.weight.device:
-        raise bad_value(arg, f"a tensor on {layer.norm.weight.device} (the layer's parameters)", x.device)
+        raise bad_type(arg, f"a (total, {dim}) tensor", type(x).__name__)
+    if x.dim() != 2 or x.shape[1] != dim:
+        raise bad_value(arg, f"a (total, {dim}) tensor (embedding_dim={dim})", f"shape {tuple(x.shape)}")
+    if dtypes:
+        names = " or ".join(dict.fromkeys(map(str, dtypes)))
+        if not x.is_floating_point():
+            raise bad_type(arg, f"a floating tensor ({names}, the layer's parameters)", x.dtype)
+        autocast = autocast_ok and torch.is_autocast_enabled(x.device.type)
+        if x.dtype not in dtypes and not autocast:
+            hint = "; or run under torch.autocast" if autocast_ok else ""
+            raise bad_type(arg, f"{names} (the layer's parameters{hint})", x.dtype)
+    if device is not None and x.device != device:
+        raise bad_value(arg, f"a tensor on {device} (the layer's parameters)", x.device)
 
 
 def _is_int(x: object) -> bool:
@@ -119,7 +122,7 @@ class STULayer(nn.Module):
 
     def forward(self, x: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int,
                 timestamps: torch.Tensor | None = None, **mask_kwargs) -> torch.Tensor:
-        check_rows(x, self)
+        check_rows(x, self.cfg.embedding_dim, (self.uvqk.weight.dtype, self.norm.weight.dtype), self.uvqk.weight.device)
         if self.rel_bias is not None:
             if timestamps is None:
                 raise bad_value("timestamps", "the (total,) event times (this layer has a relative attention bias)",
@@ -185,7 +188,7 @@ class STUStack(nn.Module):
     def forward(self, x: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int,
                 timestamps: torch.Tensor | None = None, *, attn_plan: AttnPlan | None = None,
                 sparse: bool | None = None, **mask_kwargs) -> torch.Tensor:
-        check_rows(x, self.layers[0])
+        check_rows(x, self.norm.normalized_shape[0])  # dtype and device in each layer (FSDP casts per layer)
         if attn_plan is None:
             attn_plan = build_plan(seq_offsets, total=x.shape[0], max_seq_len=max_seq_len, sparse=sparse,
                                    **mask_kwargs)

@@ -121,6 +121,17 @@ def test_bad_rows_name_x_in_the_layer_and_the_stack(x, err, words):
         assert str(e.value) == words
 
 
+def test_a_stack_without_layers_and_bf16_layers_with_float32_norms_still_run():
+    # Review: the checks must not refuse these (a zero-layer stack is the final norm; mixed-precision setups keep
+    # norms in float32, and FSDP casts each layer's parameters only when that layer runs).
+    offs, x = offsets_from(LENGTHS), torch.randn(sum(LENGTHS), DIM)
+    torch.testing.assert_close(_stack(0.0, num_layers=0)(x, offs, 64), torch.nn.functional.layer_norm(x, (DIM,)))
+    stack = _stack(0.0, num_layers=2).bfloat16()
+    for layer in stack.layers:
+        layer.norm.float()
+    assert stack(x.bfloat16(), offs, 64).dtype == torch.bfloat16
+
+
 def test_rows_of_another_dtype_run_under_autocast():
     stack, offs = _stack(0.0, num_layers=1), offsets_from(LENGTHS)
     x = torch.randn(sum(LENGTHS), DIM)
