@@ -78,7 +78,8 @@ class HistoryCache:
     def put(self, user: Hashable, entry: UserHistory) -> None:
         """Store (or replace) ``user``'s history (checked: an entry that does not fit the others would fail
         later, in ``gather`` for another request)."""
-        self._check_entry(entry)
+        # Checked against another user's entry: the one replaced here may differ (a new model's cache).
+        self._check_entry(entry, next((e for u, e in self._users.items() if u != user), None))
         if entry.length > self.max_seq_len:
             raise bad_value("entry", f"a history of at most max_seq_len={self.max_seq_len} rows", entry.length)
         self._users[user] = entry
@@ -86,7 +87,7 @@ class HistoryCache:
     def append(self, user: Hashable, entry: UserHistory) -> None:
         """Append rows (``entry``: the new rows' K and V per layer, and their last output) to ``user``'s history."""
         old = self._entry(user)
-        self._check_entry(entry)
+        self._check_entry(entry, old)
         k = [torch.cat([a, b]) for a, b in zip(old.k, entry.k)]
         v = [torch.cat([a, b]) for a, b in zip(old.v, entry.v)]
         self.put(user, UserHistory(k, v, entry.last if entry.length else old.last))
@@ -121,14 +122,13 @@ class HistoryCache:
         v = [laid_out([e.v[layer] for e in entries]) for layer in range(self.num_layers)]
         return JaggedHistory(k, v, offsets, lengths, room)
 
-    def _check_entry(self, entry: UserHistory) -> None:
+    def _check_entry(self, entry: UserHistory, like: UserHistory | None) -> None:
         """Per layer ``k (L, H, Dqk)`` and ``v (L, H, Dv)`` of one length ``L``, shaped, typed and placed like
-        the entries already cached; ``last`` a ``(D,)`` tensor, None only for an empty history."""
+        ``like`` (an entry cached already); ``last`` a ``(D,)`` tensor, None only for an empty history."""
         if not isinstance(entry, UserHistory):
             raise bad_type("entry", "a flexhstu.serving.UserHistory", type(entry).__name__)
         if len(entry.k) != self.num_layers or len(entry.v) != self.num_layers:
             raise bad_value("entry", f"K and V for {self.num_layers} layers", f"{len(entry.k)} and {len(entry.v)}")
-        like = next(iter(self._users.values()), None)
         rows = None
         for name, parts in (("k", entry.k), ("v", entry.v)):
             for layer, t in enumerate(parts):

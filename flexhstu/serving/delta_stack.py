@@ -106,6 +106,7 @@ def stack_delta(stack: STUStack, x: torch.Tensor, history: JaggedHistory, new_of
         raise bad_value("stack", "STU layers without a relative attention bias for cached serving (the delta path "
                         "has no bias yet; build the model with rel_bias=False)",
                         f"rel_bias on layer {biased[0]}")
+    _check_history(stack, history)
     if history.room:  # a row past a user's room would overwrite the next user's history
         _check_room(new_offsets, history.room)
     total_hist = history.k[0].shape[0] - history.room * (history.offsets.shape[0] - 1)
@@ -134,7 +135,7 @@ def prefill(stack: STUStack, cache: HistoryCache, users: Sequence[Hashable], x: 
     """Run the stack over whole histories ``x (T_h, D)`` (jagged by ``seq_offsets (B + 1,)``, one per user),
     store each user's K and V (replacing what was cached) and return the outputs ``(T_h, D)``.
     ``mask`` is the histories' mask (causal when None). Reads the offsets once (a sync on CUDA)."""
-    check_rows(x, stack.layers[0])
+    _check_stack(stack, cache, x)
     _check_users(users, seq_offsets)
     offs = _read_offsets(seq_offsets, "seq_offsets", x)
     _check_cache_fits(cache, users, offs)  # before any work: a refused call leaves the cache as it was
@@ -151,7 +152,7 @@ def extend(stack: STUStack, cache: HistoryCache, users: Sequence[Hashable], x: t
 
     Equal to ``prefill`` of the grown histories when the rows' inputs ``x`` are what a full run would give
     them and earlier rows never see later ones (causal-like masks)."""
-    check_rows(x, stack.layers[0])
+    _check_stack(stack, cache, x)
     _check_users(users, new_offsets)
     offs = _read_offsets(new_offsets, "new_offsets", x)
     _check_cache_fits(cache, users, offs, grown=True)
@@ -186,6 +187,32 @@ def _check_cache_fits(cache: HistoryCache, users: Sequence[Hashable], offs: list
             what = "cached and new rows" if grown else "rows"
             raise bad_value(f"history of user {user!r}", f"at most the cache's max_seq_len={cache.max_seq_len} rows",
                             f"{rows} {what}")
+
+
+def _check_stack(stack: STUStack, cache: HistoryCache, x: torch.Tensor) -> None:
+    """The stack fits the cache (one K and V per layer) and ``x`` fits the stack; no autocast: the cache holds
+    K and V in the stack's dtype, and scores from it equal a full recompute in that dtype."""
+    if len(stack.layers) != cache.num_layers:
+        raise bad_value("stack", f"{cache.num_layers} STU layers (the cache's num_layers)", len(stack.layers))
+    if isinstance(x, torch.Tensor) and torch.is_autocast_enabled(x.device.type):
+        raise bad_value("torch.autocast", "off for cached serving (cast the model instead, e.g. model.bfloat16())",
+                        "on")
+    w = stack.layers[0].uvqk.weight
+    check_rows(x, stack.norm.normalized_shape[0], (w.dtype,), w.device, autocast_ok=False)
+
+
+def _check_history(stack: STUStack, history: JaggedHistory) -> None:
+    """Per layer, cached K and V of the stack's heads, dims and dtype (a shorter history would silently skip
+    layers: ``zip`` stops at the shorter list)."""
+    if len(history.k) != len(stack.layers) or len(history.v) != len(stack.layers):
+        raise bad_value("history", f"K and V for the stack's {len(stack.layers)} layers",
+                        f"{len(history.k)} and {len(history.v)}")
+    for i, (layer, hk, hv) in enumerate(zip(stack.layers, history.k, history.v)):
+        cfg, dtype = layer.cfg, layer.uvqk.weight.dtype
+        for name, t, dim in (("k", hk, cfg.attention_dim), ("v", hv, cfg.hidden_dim)):
+            if t.dim() != 3 or tuple(t.shape[1:]) != (cfg.num_heads, dim) or t.dtype != dtype:
+                raise bad_value(f"history.{name}[{i}]", f"(rows, {cfg.num_heads}, {dim}) {dtype} (layer {i}'s heads "
+                                f"and dims)", f"{tuple(t.shape)} {t.dtype}")
 
 
 def _check_users(users: Sequence[Hashable], offsets: torch.Tensor) -> None:

@@ -320,3 +320,24 @@ def test_cache_put_refuses_entries_that_would_fail_a_later_gather():
         fresh.put("a", UserHistory([k[:, :2]], [torch.zeros(3, 3, 5)], last))
     cache.append("a", UserHistory([k[:0], k[:0]], [v[:0], v[:0]], None))  # nothing new: allowed, last kept
     assert cache.length("a") == 3 and cache.last(["a"])[0] is last
+
+
+def test_a_stack_that_does_not_fit_the_cache_is_refused_not_run_on_fewer_layers():
+    # Review: extend with a 3-layer stack on a 2-layer cache ran 2 layers (zip stops at the shorter list).
+    torch.manual_seed(0)
+    cfg = dict(embedding_dim=16, num_heads=2, attention_dim=8, hidden_dim=8, kernel="pytorch")
+    two, three = STUStack(STULayerConfig(**cfg), 2).eval(), STUStack(STULayerConfig(**cfg), 3).eval()
+    cache = HistoryCache(2, 16)
+    serving.prefill(two, cache, ["a"], torch.randn(4, 16), offsets_from([4]))
+    with pytest.raises(ValueError, match=r"stack: expected 2 STU layers \(the cache's num_layers\), got 3"):
+        serving.extend(three, cache, ["a"], torch.randn(2, 16), offsets_from([2]))
+    four_heads = STUStack(STULayerConfig(**{**cfg, "num_heads": 4}), 2).eval()
+    with pytest.raises(ValueError, match=r"history.k\[0\]: expected \(rows, 4, 8\) torch.float32 .*got \(4, 2, 8\)"):
+        serving.extend(four_heads, cache, ["a"], torch.randn(2, 16), offsets_from([2]))
+    with pytest.raises(ValueError, match=r"torch.autocast: expected off for cached serving"), \
+            torch.autocast("cpu", dtype=torch.bfloat16):
+        serving.extend(two, cache, ["a"], torch.randn(2, 16), offsets_from([2]))
+    assert cache.length("a") == 4
+    # The only cached user may be replaced by a cache of another dtype (a new model); with others it may not.
+    serving.prefill(two.double(), cache, ["a"], torch.randn(3, 16, dtype=torch.float64), offsets_from([3]))
+    assert cache.length("a") == 3
