@@ -523,7 +523,11 @@ def resume(a: argparse.Namespace, d: Splits, out: Path, model: torch.nn.Module, 
     saved, now = state["config"], run_config(a, d)
     parser = build_parser()  # a setting added since the checkpoint was written had its default then
     was = {k: saved.get(k, _default(parser, k)) for k in (*FIXED_ON_RESUME, "data_rows", "num_items")}
-    was["data"] = data_path(was["data"])  # older runs recorded the path as given: read from here, as they did
+    files = was["data"] not in BUILTIN_DATA and now["data"] not in BUILTIN_DATA
+    if files and Path(was["data"]).name == Path(now["data"]).name:
+        # The same file name, maybe elsewhere (a moved or copied project; older runs recorded a relative path):
+        # the data's size (data_rows, num_items) decides. The checkpoint then records the new path.
+        was["data"] = now["data"]
     if was["model"] != "hstu":  # only hstu has a mask: older runs of other models recorded any --mask given
         was["mask"] = now["mask"]
     changed = [f"--{k.replace('_', '-')} {was[k]!r} in the checkpoint, {now[k]!r} now" for k in was if was[k] != now[k]]

@@ -184,3 +184,24 @@ def test_a_relative_data_path_resumes_and_recommends_from_another_directory(tmp_
     assert [h["epoch"] for h in history] == [1, 2]
     rec = Recommender.from_checkpoint(tmp_path / "r" / "checkpoint.pt")
     assert len(rec.recommend(["0"], k=3)[0].items) == 3
+
+
+def test_a_moved_project_resumes_on_its_data_file_there(tmp_path, monkeypatch):
+    # Review: recording the absolute path must not refuse a project copied elsewhere (same file name and size);
+    # another file name is still another run.
+    import shutil
+
+    monkeypatch.setenv("FLEXHSTU_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "p1").mkdir()
+    _ratings(tmp_path / "p1", 6)
+    monkeypatch.chdir(tmp_path / "p1")
+    argv = TINY[2:] + ["--data", "ratings.dat", "--epochs", "2", "--out", "runs/r"]
+    train.main(argv + ["--stop-after", "1"])
+    shutil.copytree(tmp_path / "p1", tmp_path / "p2")
+    monkeypatch.chdir(tmp_path / "p2")
+    (tmp_path / "p2" / "other.dat").write_text((tmp_path / "p2" / "ratings.dat").read_text())
+    with pytest.raises(UserError, match=r"--data '.*/p1/ratings.dat' in the checkpoint, '.*/p2/other.dat' now"):
+        train.main(TINY[2:] + ["--data", "other.dat", "--epochs", "2", "--resume", "--out", "runs/r"])
+    assert [h["epoch"] for h in train.main(argv + ["--resume"])["history"]] == [1, 2]
+    assert checkpoint.load(tmp_path / "p2" / "runs" / "r" / "checkpoint.pt")["config"]["data"] == \
+        str(tmp_path / "p2" / "ratings.dat")
