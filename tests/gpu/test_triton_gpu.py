@@ -312,3 +312,43 @@ def test_fp32_dots_are_ieee_when_tf32_is_off():
     errs = {"out": rel(out, ref)}
     errs.update({w: rel(g, r) for w, g, r in zip(("dq", "dk", "dv"), got, want)})
     check("fp32 with allow_tf32=False against float64", errs, tol=1e-4)
+
+
+def _safe_reference(offs: torch.Tensor, total: int) -> torch.Tensor:
+    """What ``safe_offsets`` must give, from torch ops: clamped, running maximum, 0 first, ``total`` last."""
+    x = offs.clamp(0, total)
+    x[0], x[-1] = 0, total
+    return torch.cummax(x, 0).values
+
+
+def test_safe_offsets_on_cuda_and_kernels_that_follow_them():
+    # The kernels never follow the caller's offsets on CUDA (nothing reads them): one launch makes them safe.
+    from flexhstu.ops.pytorch.delta import pytorch_delta_hstu_mha
+    from flexhstu.ops.triton.delta_op import triton_delta_hstu_mha
+    from flexhstu.ops.triton.tables import safe_offsets
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    for n in (2, 5, 1024, 1025, 5000):  # one chunk, several chunks of the scan
+        for total in (1, 777, 10**6):
+            bad = torch.randint(-total, 2 * total, (n,), generator=g, device="cuda")
+            assert torch.equal(safe_offsets(bad, total), _safe_reference(bad, total)), (n, total)
+            good = torch.sort(torch.randint(0, total + 1, (n,), generator=g, device="cuda")).values
+            good[0], good[-1] = 0, total
+            assert torch.equal(safe_offsets(good, total), good), (n, total)
+    total = 3000
+    bad = torch.tensor([0, 1700, 900, 2400, 5000], device="cuda")  # decreasing, past the end
+    safe = _safe_reference(bad, total)
+    q, k, v = _qkv([total], 2, 64, torch.bfloat16, seed=12)
+    out = flexhstu.hstu_mha(2000, None, q, k, v, bad, kernel=Kernel.TRITON)
+    ref = flexhstu.hstu_mha(2000, None, q.float(), k.float(), v.float(), safe, kernel=Kernel.PYTORCH)
+    errs = {"out": rel(out, ref)}
+    q_offs = torch.tensor([0, 100, 50, 300, 9000], device="cuda")  # the delta call's query offsets, bad too
+    q, k, v = (x.detach() for x in (q, k, v))  # the delta op is forward only
+    got = triton_delta_hstu_mha(q[:300], k, v, bad, q_offs, torch.tensor([5, 0, 600, 0], device="cuda"),
+                                alpha=0.125, out_scale=1 / 2000)
+    want = pytorch_delta_hstu_mha(
+        q[:300].float(), k.float(), v.float(), safe, _safe_reference(q_offs, 300),
+        torch.tensor([5, 0, 600, 0], device="cuda"), masks.rules.FixedRule(), alpha=0.125, scaling_seqlen=2000,
+        max_seq_len=5000)
+    errs["delta"] = rel(got, want)
+    check(f"bad offsets {bad.tolist()}: kernels follow the safe copy {safe.tolist()}", errs)
