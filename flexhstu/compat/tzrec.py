@@ -48,7 +48,10 @@ def _clamped_targets(num_targets: torch.Tensor | None, seq_offsets: torch.Tensor
         seq_offsets.numel() - 1,
     ):
         return num_targets  # not a (B,) tensor: flexhstu's checks name the argument
-    return torch.minimum(num_targets, lengths_of(seq_offsets).to(device=num_targets.device, dtype=num_targets.dtype))
+    if num_targets.is_floating_point() or num_targets.dtype == torch.bool:
+        return num_targets  # refused by flexhstu's checks, by name
+    # In int64: a length cast to a small dtype (uint8, int8) wraps (256 -> 0) and would clamp the targets to it.
+    return torch.minimum(num_targets.to(torch.int64), lengths_of(seq_offsets).to(num_targets.device, torch.int64))
 
 
 def hstu_mha(

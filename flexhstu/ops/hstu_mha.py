@@ -147,7 +147,7 @@ def _checked_call(
         _check_attn_scale(attn_scale, total, scaling)
     if scaling <= 0:
         scaling = float(max_seq_len) or 1.0
-    rate = _probability(dropout_pr) if training else 0.0
+    rate = _probability(dropout_pr) if as_bool("training", training) else 0.0
     mask = attn_func if attn_func is not None else rule
     bias = _checked_bias(rel_bias, rab, q, seq_offsets.numel() - 1, max_seq_len)
     if attn_plan is not None:

@@ -127,3 +127,12 @@ def test_a_peer_kernel_choice_reaches_the_backend(monkeypatch):
         tzrec.hstu_mha(9, None, q, k, v, offs, kernel=tzrec.Kernel.CUTLASS)
     with pytest.raises(ValueError, match=r"q.device: expected CUDA for Kernel\.TRITON"):
         gr.hstu_mha(9, None, q.float(), k.float(), v.float(), offs, kernel=gr.HammerKernel.TRITON)
+
+
+def test_tzrec_clamps_small_integer_targets_without_wrapping():
+    # Audit: lengths cast to uint8 wrapped (256 -> 0), so 5 targets on a 256-row sequence became 0.
+    offs = torch.tensor([0, 256, 260])
+    for dtype in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64):
+        got = tzrec._clamped_targets(torch.tensor([5, 1], dtype=dtype), offs)
+        assert got.tolist() == [5, 1], dtype
+    assert tzrec._clamped_targets(torch.tensor([300, 9]), offs).tolist() == [256, 4]

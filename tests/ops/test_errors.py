@@ -72,6 +72,9 @@ CASES = [
     # Any truthy object ran causal, None non-causal (audit).
     (dict(causal="no"), TypeError, r"causal: expected a bool \(Python or NumPy\), got str"),
     (dict(causal=None), TypeError, r"causal: expected a bool \(Python or NumPy\), got NoneType"),
+    # Audit: training="no" applied dropout, None silently turned it off.
+    (dict(training="no", dropout_pr=0.5), TypeError, r"training: expected a bool \(Python or NumPy\), got str"),
+    (dict(training=None), TypeError, r"training: expected a bool \(Python or NumPy\), got NoneType"),
     (dict(dropout_pr=float("nan")), ValueError, r"dropout_pr: expected a probability in \[0, 1\), got nan"),
     (dict(dropout_pr=-0.1), ValueError, r"dropout_pr: expected a probability in \[0, 1\), got -0.1"),
     (dict(max_seq_len=True), TypeError, r"max_seq_len: expected a non-negative int \(not a bool\), got True"),
