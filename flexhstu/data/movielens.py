@@ -147,18 +147,55 @@ def _check_table(table: pa.Table, where: str, names: dict[str, str] | None = Non
                              f"{table.column(c).null_count} empty")
 
 
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+def _fits_int64(x: np.ndarray) -> bool:
+    """Whether an integer column converts to int64 without wrapping (uint64 values of 2^63 and up do not)."""
+    return x.dtype != np.uint64 or len(x) == 0 or int(x.max()) <= _INT64_MAX
+
+
 def _to_interactions(table: pa.Table, name: str, names: dict[str, str] | None = None) -> Interactions:
+    """The table's events, exact duplicates (same user, item and timestamp) dropped with one line on stderr:
+    a duplicated event would make every held-out item the event just before it, a free hit."""
     _check_table(table, name, names)
+    names = names or {c: c for c in COLUMNS}
     cols = {c: table.column(c).to_numpy(zero_copy_only=False) for c in COLUMNS}
+    if not _fits_int64(cols["timestamp"]):
+        raise ValueError(f"{name}: column '{names['timestamp']}' expected timestamps below 2^63, got "
+                         f"{int(cols['timestamp'].max())}")
     item_ids, item = np.unique(cols["item"], return_inverse=True)
     user, user_ids = cols["user"], None
-    if not np.issubdtype(user.dtype, np.integer):
+    if not np.issubdtype(user.dtype, np.integer) or not _fits_int64(user):  # codes, the ids kept as they are
         user_ids, user = np.unique(user, return_inverse=True)
     rating = cols["rating"].astype(np.float64)
     if not np.isfinite(rating).all():
-        raise ValueError(f"{name}: column '{(names or {}).get('rating', 'rating')}' expected finite numbers")
-    return Interactions(user.astype(np.int64), item.astype(np.int64) + 1, rating, cols["timestamp"].astype(np.int64),
-                        len(item_ids), name, item_ids, user_ids)
+        raise ValueError(f"{name}: column '{names['rating']}' expected finite numbers")
+    user, item, timestamp = user.astype(np.int64), item.astype(np.int64) + 1, cols["timestamp"].astype(np.int64)
+    _, first = np.unique(np.stack([user, item, timestamp], axis=1), axis=0, return_index=True)
+    if len(first) < len(user):
+        keep = np.sort(first)
+        print(f"flexhstu: {name}: dropped {len(user) - len(keep)} duplicate events (same user, item and "
+              "timestamp; the first of each is kept)", file=sys.stderr)
+        user, item, rating, timestamp = user[keep], item[keep], rating[keep], timestamp[keep]
+    return Interactions(user, item, rating, timestamp, len(item_ids), name, item_ids, user_ids)
+
+
+def data_digest(data: Interactions) -> str:
+    """A digest of the events and the file's ids: two loads of the same data give the same digest, any change
+    of an event, an id or the order of events another (a run records it; ``--resume`` and ``recommend``
+    compare)."""
+    h = hashlib.sha256()
+    for x in (data.user, data.item, data.timestamp, data.rating):
+        h.update(np.ascontiguousarray(x).tobytes())
+    for ids in (data.item_ids, data.user_ids):
+        if ids is None:
+            h.update(b"none")
+        elif ids.dtype.kind in "iuf":
+            h.update(ids.dtype.str.encode() + np.ascontiguousarray(ids).tobytes())
+        else:  # strings (object arrays of str): each with its length, so no two lists join the same
+            h.update(b"".join(len(b).to_bytes(8, "little") + b for b in (str(x).encode() for x in ids)))
+    return h.hexdigest()
 
 
 def parse_columns(text: str) -> dict[str, str]:
@@ -171,6 +208,10 @@ def parse_columns(text: str) -> dict[str, str]:
                              f"got '{part}'")
         if key in mapping:
             raise ValueError(f"--columns: expected each key once, got '{key}' twice")
+        if column in mapping.values():
+            other = next(k for k, c in mapping.items() if c == column)
+            raise ValueError(f"--columns: expected a different column for each key, got '{column}' for both "
+                             f"{other} and {key}")
         mapping[key] = column
     missing = [k for k in MAPPED[:3] if k not in mapping]
     if missing:

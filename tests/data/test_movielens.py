@@ -157,3 +157,53 @@ def test_column_mappings_are_parsed_and_checked():
                      ("user=uid,user=u2,item=i,time=t", "'user' twice"), ("user,item=i,time=t", "got 'user'")):
         with pytest.raises(ValueError, match=msg):
             parse_columns(bad)
+
+
+def test_exact_duplicate_events_are_dropped_and_reported(tmp_path, capsys):
+    # Audit: a file with every row twice held out the duplicate of each user's last event, so HR@10 was 1.0.
+    rows = ["1,10,4,100", "1,11,3,101", "1,10,5,100", "2,10,4,100", "1,11,3,101", "1,11,3,102"]
+    d = load(str(_csv(tmp_path, rows)), cache_dir=tmp_path / "cache")
+    assert "dropped 2 duplicate events (same user, item and timestamp" in capsys.readouterr().err
+    assert d.user.tolist() == [1, 1, 2, 1] and d.timestamp.tolist() == [100, 101, 100, 102]
+    assert d.rating.tolist() == [4.0, 3.0, 4.0, 3.0]  # the first of each duplicate is kept
+    load(str(_csv(tmp_path, rows[:2])), cache_dir=tmp_path / "cache")
+    assert "duplicate" not in capsys.readouterr().err
+
+
+def test_uint64_ids_above_int64_keep_their_values_and_huge_timestamps_are_refused(tmp_path):
+    import pyarrow as pa
+
+    big = 2**63 + 5  # audit: cast to int64, this id wrapped to a negative number
+    f = tmp_path / "events.parquet"
+    pq.write_table(pa.table({"user": pa.array([big, 3], pa.uint64()), "item": pa.array([big, 1], pa.uint64()),
+                             "rating": [1.0, 2.0], "timestamp": pa.array([1, 2], pa.uint64())}), f)
+    d = load(str(f))
+    assert d.user_ids.tolist() == [3, big] and d.user.tolist() == [1, 0]
+    assert d.item_ids.tolist() == [1, big] and d.item.tolist() == [2, 1]
+    pq.write_table(pa.table({"user": [1], "item": [1], "rating": [1.0],
+                             "timestamp": pa.array([2**63], pa.uint64())}), f)
+    with pytest.raises(ValueError, match=r"events.parquet: column 'timestamp' expected timestamps below 2\^63, got "
+                                         r"9223372036854775808"):
+        load(str(f))
+
+
+def test_the_data_digest_follows_the_contents_not_the_file():
+    from flexhstu.data import Interactions, data_digest
+
+    def data(user, item_ids=("a", "b")):
+        return Interactions(np.array(user), np.array([1, 2, 1]), np.ones(3), np.array([5, 6, 7]), 2, "x",
+                            np.array(item_ids, dtype=object))
+
+    same = data_digest(data([0, 0, 1]))
+    assert data_digest(data([0, 0, 1])) == same
+    assert data_digest(data([0, 1, 1])) != same  # relabelled users, same size
+    assert data_digest(data([0, 0, 1], ("a", "c"))) != same
+    assert data_digest(data([0, 0, 1], ("ab", ""))) != data_digest(data([0, 0, 1], ("a", "b")))
+
+
+def test_one_column_for_two_keys_is_refused():
+    from flexhstu.data.movielens import parse_columns
+
+    with pytest.raises(ValueError, match="--columns: expected a different column for each key, got 'uid' for both "
+                                         "user and item"):
+        parse_columns("user=uid,item=uid,time=ts")
