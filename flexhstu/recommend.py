@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from . import checkpoint
-from .cli.common import Parser, UserError, positive_int, run, user_input
-from .data import load
+from .cli.common import Parser, UserError, checked_device, positive_int, run, user_input
+from .data import data_digest, load, synthetic
 from .data.sequences import user_sequences
 from .models import make_batch
 from .models.ranking import TASKS
@@ -52,7 +52,7 @@ class Recommender:
         from .train import build_model  # train imports the models and the command line; only needed here
 
         path = Path(path)
-        device = _checked_device(device)  # a bad device is not a bad checkpoint
+        device = checked_device(device)  # a bad device is not a bad checkpoint
         state = checkpoint.load(path, map_location=device)
         checkpoint.require(state, path, "config", "best")
         config = state["config"]
@@ -60,10 +60,17 @@ class Recommender:
             raise ValueError(f"{path}: expected a checkpoint that records the data's ids (written by this flexhstu "
                              "version); train the run again")
         source = data or config["data"]
-        loaded = load(source, columns=config.get("columns"))
+        if source == "synthetic":  # the run's sizes, not load's defaults
+            sizes = {k: config.get(f"synthetic_{k}") or v for k, v in (("users", 300), ("items", 200), ("len", 40))}
+            loaded = synthetic(sizes["users"], sizes["items"], sizes["len"])
+        else:
+            loaded = load(source, columns=config.get("columns"))
         if len(loaded) != config["data_rows"] or loaded.num_items != config["num_items"]:
             raise ValueError(f"--data {source}: expected the run's data ({config['data_rows']} events, "
                              f"{config['num_items']} items), got {len(loaded)} events, {loaded.num_items} items")
+        if source != "synthetic" and config.get("data_digest") not in (None, data_digest(loaded)):
+            raise ValueError(f"--data {source}: expected the run's data, got other contents of the same size (its "
+                             "events or ids differ from those the run trained on)")
         try:
             model = build_model(argparse.Namespace(**config), config["num_items"]).to(device)
         except (AttributeError, KeyError, TypeError) as e:
@@ -137,17 +144,6 @@ def build_parser() -> Parser:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     p.add_argument("--debug", action="store_true", help="show the traceback of an input error")
     return p
-
-
-def _checked_device(device) -> torch.device:
-    """``device`` as a torch.device that exists here (no side effect: the current CUDA device is left alone)."""
-    try:
-        out = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"--device: expected a torch device such as cpu or cuda, got '{device}'") from e
-    if out.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device: expected cpu (CUDA is not available here), got '{device}'")
-    return out
 
 
 def _ids(text: str | None) -> list[str] | None:

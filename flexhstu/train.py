@@ -39,8 +39,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from . import checkpoint, distributed
-from .cli.common import Parser, non_negative_int, positive_int, run, user_input
-from .data import load, synthetic
+from .cli.common import Parser, checked_device, non_negative_int, positive_int, run, user_input
+from .data import data_digest, load, synthetic
 from .data.movielens import parse_columns
 from .data.sequences import UserSequences, leave_one_out, user_sequences
 from .data.synthetic_source import LazyItem, SyntheticSource
@@ -227,13 +227,8 @@ def check_cutoffs(a: argparse.Namespace, num_items: int) -> None:
 
 
 def resolve_device(a: argparse.Namespace, rank: int) -> torch.device:
-    try:
-        device = torch.device(a.device)
-    except RuntimeError as e:
-        raise ValueError(f"--device: expected a torch device such as cpu or cuda, got '{a.device}'") from e
+    device = checked_device(a.device)
     if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device: expected cpu (CUDA is not available here), got '{a.device}'")
         if device.index is None:
             local = int(os.environ.get("LOCAL_RANK", rank))
             device = torch.device(f"cuda:{local % torch.cuda.device_count()}")
@@ -325,6 +320,7 @@ class Splits:
     item_ids: list = field(default_factory=list)  # the data file's id of item i at [i - 1]
     user_ids: list = field(default_factory=list)  # the data file's id of the user of sequence s at [s]
     weights: np.ndarray | None = None  # per unit, what its loss is a mean over: targets (retrieval), candidates
+    digest: str | None = None  # data_digest of the events read (None for synthetic data: its arguments say all)
 
 
 @dataclass
@@ -346,6 +342,7 @@ def prepare_data(a: argparse.Namespace) -> Splits:
     else:
         data = load(a.data, columns=a.columns)
     ids = file_ids(data, user_sequences(data))
+    ids["digest"] = None if a.data == "synthetic" else data_digest(data)
     if a.task == "retrieval":
         seqs, valid, test = leave_one_out(data)
         if not seqs.items:
@@ -507,7 +504,7 @@ def run_popularity(a: argparse.Namespace, d: Splits) -> dict:
 def run_config(a: argparse.Namespace, d: Splits) -> dict:
     """What a checkpoint records of its run: the fixed arguments, the data's size, and --lr / --epochs."""
     return {**{k: getattr(a, k) for k in FIXED_ON_RESUME}, "data_rows": d.data_rows, "num_items": d.num_items,
-            "lr": a.lr, "epochs": a.epochs}
+            "data_digest": d.digest, "lr": a.lr, "epochs": a.epochs}
 
 
 def resume(a: argparse.Namespace, d: Splits, out: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, device,
@@ -522,15 +519,21 @@ def resume(a: argparse.Namespace, d: Splits, out: Path, model: torch.nn.Module, 
     checkpoint.require(state, ckpt, "config", "epoch", "history", "best", *(() if "sharded" in state else ("opt",)))
     saved, now = state["config"], run_config(a, d)
     parser = build_parser()  # a setting added since the checkpoint was written had its default then
-    was = {k: saved.get(k, _default(parser, k)) for k in (*FIXED_ON_RESUME, "data_rows", "num_items")}
+    was = {k: saved.get(k, _default(parser, k)) for k in (*FIXED_ON_RESUME, "data_rows", "num_items", "data_digest")}
     files = was["data"] not in BUILTIN_DATA and now["data"] not in BUILTIN_DATA
     if files and Path(was["data"]).name == Path(now["data"]).name:
         # The same file name, maybe elsewhere (a moved or copied project; older runs recorded a relative path):
-        # the data's size (data_rows, num_items) decides. The checkpoint then records the new path.
+        # the data's contents (data_digest; before it was recorded, the size) decide. The checkpoint then records
+        # the new path.
         was["data"] = now["data"]
+    if was["data_digest"] is None:  # a checkpoint of an older flexhstu: data_rows and num_items compare
+        was["data_digest"] = now["data_digest"]
     if was["model"] != "hstu":  # only hstu has a mask: older runs of other models recorded any --mask given
         was["mask"] = now["mask"]
-    changed = [f"--{k.replace('_', '-')} {was[k]!r} in the checkpoint, {now[k]!r} now" for k in was if was[k] != now[k]]
+    changed = [f"--{k.replace('_', '-')} {was[k]!r} in the checkpoint, {now[k]!r} now" for k in was
+               if was[k] != now[k] and k != "data_digest"]
+    if was["data_digest"] != now["data_digest"] and not changed:
+        changed = [f"--data {now['data']}: other contents than the run's data (same size; its events or ids differ)"]
     if changed:
         raise ValueError(f"--resume: expected the run of {ckpt}, got a different one: " + "; ".join(changed))
     if "sharded" in state:

@@ -12,6 +12,10 @@ import argparse
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 class UserError(Exception):
@@ -81,3 +85,23 @@ def lengths_list(text: str) -> list[int]:
     if not parts:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 0, got '{text}'")
     return [non_negative_int(x) for x in parts]
+
+
+def checked_device(text) -> torch.device:
+    """``--device`` as a torch.device that the commands run on here: ``cpu``, or ``cuda[:N]`` with CUDA available
+    and N below the device count (no side effect: the current CUDA device is left alone)."""
+    import torch  # here: the commands' parsers load without it
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"--device: expected cpu or cuda[:N], got '{text}'") from e
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device: expected cpu or cuda[:N] (the kernels and models run on those), got '{text}'")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device: expected cpu (CUDA is not available here), got '{text}'")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"--device: expected cuda:0 to cuda:{count - 1} (this machine has {count}), got '{text}'")
+    return device

@@ -34,6 +34,10 @@ def _status(argv) -> int:
     (["show-mask", "sla", "--lengths", "20", "-o", "/nonexistent-dir/m.png"], "--output: No such file or directory"),
     (["demo", "--out", "/dev/null/x"], "--out: Not a directory"),
     (["train", "--device", "cuda", "--data", "synthetic"], "--device: expected cpu (CUDA is not available here)"),
+    # Audit: tracebacks from torch (mps, meta and xpu passed the check and failed later).
+    (["train", "--device", "meta", "--data", "synthetic"], "--device: expected cpu or cuda[:N] (the kernels and"),
+    (["train", "--device", "gpu", "--data", "synthetic"], "--device: expected cpu or cuda[:N], got 'gpu'"),
+    (["recommend", "--users", "1", "--device", "mps"], "--device: expected cpu or cuda[:N] (the kernels and"),
     (["train", "--data", "/nonexistent/ratings.csv"], "--data: expected ml-100k, synthetic or a ratings file"),
     (["train", "--batch-size", "0"], "argument --batch-size: expected an integer >= 1, got 0"),
     (["train", "--model", "sasrec", "--no-rel-bias"], "--no-rel-bias: expected --model hstu"),

@@ -205,3 +205,39 @@ def test_a_moved_project_resumes_on_its_data_file_there(tmp_path, monkeypatch):
     assert [h["epoch"] for h in train.main(argv + ["--resume"])["history"]] == [1, 2]
     assert checkpoint.load(tmp_path / "p2" / "runs" / "r" / "checkpoint.pt")["config"]["data"] == \
         str(tmp_path / "p2" / "ratings.dat")
+
+
+def test_same_sized_data_with_other_contents_is_refused_on_resume_and_recommend(tmp_path, monkeypatch):
+    # Audit: a copy of the project whose data file was relabelled (same name, same size) resumed on it, and
+    # recommend answered for the wrong users.
+    import shutil
+
+    from flexhstu.recommend import Recommender
+
+    monkeypatch.setenv("FLEXHSTU_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "p1").mkdir()
+    _ratings(tmp_path / "p1", 6)
+    monkeypatch.chdir(tmp_path / "p1")
+    argv = TINY[2:] + ["--data", "ratings.dat", "--epochs", "2", "--out", "runs/r"]
+    train.main(argv + ["--stop-after", "1"])
+    shutil.copytree(tmp_path / "p1", tmp_path / "p2")
+    monkeypatch.chdir(tmp_path / "p2")
+    lines = (tmp_path / "p2" / "ratings.dat").read_text().splitlines(True)
+    relabelled = "".join(f"{4 - int(u)}::{rest}" for u, _, rest in (line.partition("::") for line in lines))
+    (tmp_path / "p2" / "ratings.dat").write_text(relabelled)
+    with pytest.raises(UserError, match=r"--resume: expected the run of .*: --data .*/p2/ratings.dat: other contents "
+                                        r"than the run's data \(same size"):
+        train.main(argv + ["--resume"])
+    with pytest.raises(ValueError, match=r"--data ratings.dat: expected the run's data, got other contents of the "
+                                         "same size"):
+        Recommender.from_checkpoint(tmp_path / "p2" / "runs" / "r" / "checkpoint.pt", data="ratings.dat")
+    assert Recommender.from_checkpoint(tmp_path / "p1" / "runs" / "r" / "checkpoint.pt").recommend(["0"], k=2)
+
+
+def test_a_synthetic_run_of_other_sizes_recommends(tmp_path):
+    # Audit: recommend rebuilt --data synthetic at its default sizes and refused the run's own data.
+    from flexhstu.recommend import Recommender
+
+    train.main(TINY + ["--synthetic-users", "50", "--synthetic-items", "30", "--epochs", "1", "--out", str(tmp_path)])
+    answer = Recommender.from_checkpoint(tmp_path / "checkpoint.pt").recommend([3], k=4)[0]
+    assert len(answer.items) == 4 and set(answer.items) <= set(range(1, 31))
