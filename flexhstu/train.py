@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import fcntl
 import itertools
 import json
 import math
@@ -263,17 +264,55 @@ def new_run_folder(a: argparse.Namespace, root: Path = RUNS) -> Path:
     raise AssertionError("unreachable")
 
 
-def point_latest(out: Path, root: Path = RUNS) -> None:
-    """Make ``root/latest`` a symlink to ``out``: a new link renamed over the old one, so readers never see
-    a missing or half-made link."""
+def check_latest(root: Path = RUNS) -> Path:
+    """``root/latest``, after checking that it is a symlink or absent (a run may replace it)."""
     link = root / "latest"
     if link.exists() and not link.is_symlink():
         raise ValueError(f"{link}: expected a symlink to the newest run, got a folder (written by an older "
                          f"flexhstu); rename it (e.g. mv {link} {root}/old) or pass --out")
+    return link
+
+
+def point_latest(out: Path, root: Path = RUNS) -> None:
+    """Make ``root/latest`` a symlink to ``out``: a new link renamed over the old one, so readers never see
+    a missing or half-made link."""
+    link = check_latest(root)
     tmp = root / f".latest.{os.getpid()}.tmp"
     tmp.unlink(missing_ok=True)
     os.symlink(out.name, tmp)  # relative: the runs folder can move
     os.replace(tmp, link)
+
+
+_LOCKS: dict[Path, object] = {}  # the open lock files of this process's runs (train releases them at its end)
+_LATEST_PENDING: set[Path] = set()  # new runs of this process that runs/latest does not point to yet
+
+
+def lock_run(out: Path) -> None:
+    """Hold ``out/.lock`` until ``unlock_run`` (or the process's end: a killed run leaves no stale lock), or raise
+    if another run holds it: two runs writing one folder would leave the metrics of one beside the checkpoint of
+    the other."""
+    f = open(out / ".lock", "a+")  # noqa: SIM115 (held open on purpose)
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise ValueError(f"--out: expected a folder no other flexhstu train is writing, got {out} (another process "
+                         "holds its .lock; wait for it to end, or pass another --out)") from None
+    _LOCKS[out] = f
+
+
+def unlock_run(out: Path) -> None:
+    f = _LOCKS.pop(out, None)
+    if f is not None:
+        f.close()  # closing the file releases its lock
+
+
+def latest_after_output(out: Path, rank: int) -> None:
+    """Point ``runs/latest`` at a new run once it holds an output: a run killed before its first checkpoint
+    leaves ``runs/latest`` (and ``--resume``) on the run before it."""
+    if rank == 0 and out in _LATEST_PENDING:
+        point_latest(out)
+        _LATEST_PENDING.discard(out)
 
 
 def resolve_out(a: argparse.Namespace, rank: int, world: int) -> Path:
@@ -289,8 +328,9 @@ def resolve_out(a: argparse.Namespace, rank: int, world: int) -> Path:
     else:
         name = [None]
         if rank == 0:
+            check_latest()  # before the run: it could not point runs/latest at its folder
             out = new_run_folder(a)
-            point_latest(out)
+            _LATEST_PENDING.add(out)  # runs/latest moves once the run has written an output (latest_after_output)
             name = [str(out)]
         if world > 1:
             dist.broadcast_object_list(name, src=0)
@@ -301,6 +341,7 @@ def resolve_out(a: argparse.Namespace, rank: int, world: int) -> Path:
         if held and not a.resume:
             raise ValueError(f"--out: expected a folder without a run, got {out} holding {', '.join(held)} (pass "
                              "--resume to continue it, or leave out --out for a new folder)")
+        lock_run(out)
     return out
 
 
@@ -743,11 +784,24 @@ def plot(history: list[dict], path: Path, title: str, best_epoch: int | None) ->
     plt.close(fig)
 
 
+def json_safe(x):
+    """``x`` with every NaN or infinite float as None: JSON has no NaN, and readers (jq, browsers) refuse one."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    return x
+
+
 def write(result: dict, history: list[dict], out: Path, rank: int, a: argparse.Namespace) -> dict:
     """metrics.json (and metrics.png when there is a history) in ``out`` on rank 0; returns ``result``."""
     result["history"] = history
     if rank == 0:
-        checkpoint.write_text(out / "metrics.json", json.dumps(result, indent=1, default=str))
+        checkpoint.write_text(out / "metrics.json", json.dumps(json_safe(result), indent=1, default=str,
+                                                               allow_nan=False))
+        latest_after_output(out, rank)
         if history:
             plot(history, out / "metrics.png", plot_title(a), result.get("best_epoch"))
         if not a.quiet:
@@ -786,6 +840,14 @@ def train(a: argparse.Namespace) -> dict:
         check_cutoffs(a, d.num_items)
     with user_input("--out"):
         out = resolve_out(a, rank, world)
+    try:
+        return _train_in(a, out, d, device, rank, world, created)
+    finally:
+        unlock_run(out)
+
+
+def _train_in(a: argparse.Namespace, out: Path, d: Splits, device, rank: int, world: int, created: bool) -> dict:
+    """The run in its (locked) folder ``out``."""
     torch.manual_seed(a.seed)
     result: dict = {"args": vars(a)}
     if a.model == "popularity":
@@ -819,6 +881,7 @@ def train(a: argparse.Namespace) -> dict:
                 p.best = {"score": score, "epoch": epoch + 1, "model": None}
             if not a.no_checkpoint:
                 save_checkpoint(a, d, out, model, opt, p, new_best, rank)
+                latest_after_output(out, rank)
             if rank == 0 and not a.quiet:
                 print(json.dumps(record))
         if world > 1:

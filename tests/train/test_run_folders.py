@@ -95,3 +95,54 @@ def test_a_data_mistake_leaves_no_run_folder_and_latest_where_it_was(tmp_path, m
         train.main(argv + ["--quiet", "--device", "cpu"])
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["good", "latest"]
     assert os.readlink(tmp_path / "runs" / "latest") == "good"
+
+
+def test_two_runs_in_one_folder_at_once_are_refused(tmp_path, capsys):
+    # Audit: two trains with one --out wrote into each other's files (the metrics of one, the checkpoint of the
+    # other). The lock is an open file's flock: another open of .lock in this process stands for another run.
+    out = tmp_path / "run"
+    out.mkdir()
+    train.lock_run(out)
+    try:
+        status = train.cli(TINY + ["--epochs", "1", "--quiet", "--out", str(out)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert status == 2 and err == [f"flexhstu train: error: --out: expected a folder no other flexhstu train is "
+                                       f"writing, got {out} (another process holds its .lock; wait for it to end, or "
+                                       "pass another --out)"], err
+        assert not (out / "metrics.json").exists()
+    finally:
+        train.unlock_run(out)
+    assert train.cli(TINY + ["--epochs", "1", "--quiet", "--out", str(out)]) == 0  # released: the run goes on
+    assert train.cli(TINY + ["--epochs", "1", "--quiet", "--out", str(out), "--resume"]) == 0  # released at its end
+
+
+def test_a_run_killed_before_its_first_output_leaves_latest_on_the_run_before(tmp_path, monkeypatch):
+    # Audit: runs/latest moved when the folder was made, so `--resume` after a kill in epoch 1 found no checkpoint.
+    monkeypatch.chdir(tmp_path)
+    train.main(TINY + ["--epochs", "2", "--stop-after", "1", "--quiet"])
+    good = os.readlink(tmp_path / "runs" / "latest")
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(train, "train_epoch", killed)
+        with pytest.raises(KeyboardInterrupt):
+            train.main(TINY + ["--epochs", "2", "--quiet"])
+    assert len([p for p in (tmp_path / "runs").iterdir() if not p.is_symlink()]) == 2
+    assert os.readlink(tmp_path / "runs" / "latest") == good
+    assert [h["epoch"] for h in train.main(TINY + ["--epochs", "2", "--resume", "--quiet"])["history"]] == [1, 2]
+    train.main(TINY + ["--epochs", "1", "--quiet"])
+    assert os.readlink(tmp_path / "runs" / "latest") not in (good,)  # a run with an output is the newest
+
+
+def test_metrics_json_holds_null_for_a_metric_that_is_not_a_number(tmp_path):
+    # Audit: json.dumps wrote a bare NaN, which jq and JSON.parse refuse.
+    a = train.parse(TINY + ["--quiet", "--out", str(tmp_path)])
+    train.write({"test": {"AUC": float("nan"), "HR@10": 0.5, "per": [float("inf"), 1.0]}}, [], tmp_path, 0, a)
+
+    def no_constants(name):
+        raise AssertionError(f"metrics.json holds {name}")
+
+    saved = json.loads((tmp_path / "metrics.json").read_text(), parse_constant=no_constants)
+    assert saved["test"] == {"AUC": None, "HR@10": 0.5, "per": [None, 1.0]}
