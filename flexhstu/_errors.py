@@ -39,6 +39,34 @@ def as_int(arg: str, value: object, minimum: int = 0) -> int:
     return out
 
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def as_alpha(value: object, dim_qk: int) -> float:
+    """The score scale: ``1 / sqrt(dim_qk)`` for None, else a finite number that float32 holds (the kernels
+    scale in float32: a larger one became inf, and every score NaN)."""
+    if value is None:
+        if dim_qk == 0:
+            raise bad_value("alpha", "a number when the head dim Dqk is 0 (None means 1 / sqrt(Dqk))", None)
+        return dim_qk ** -0.5
+    out = as_finite("alpha", value)
+    if abs(out) > FLOAT32_MAX:
+        raise bad_value("alpha", f"a number float32 holds (|alpha| <= {FLOAT32_MAX:.4g})", out)
+    return out
+
+
+SPAN_MAX = 1 << 30
+"""Above every sequence position (the kernels' int32 positions stay below it, and so do sums of two of them)."""
+
+
+def as_span(arg: str, value: object) -> int:
+    """A mask length (window, contextual prefix, full-attention tail) as ``as_int``, capped at ``SPAN_MAX``: a
+    span at least as long as every sequence means the same at any size, and a larger int would wrap in the
+    int32 arithmetic of the masks and kernels (audit: ``contextual_seq_len=2**31`` gave the plain causal mask)."""
+    out = as_int(arg, value)
+    return out if isinstance(out, torch.SymInt) else min(out, SPAN_MAX)
+
+
 SCALING_RANGE = (1e-37, 1e37)
 """Positive ``scaling_seqlen`` values whose reciprocal (the kernels' float32 output scale) is a normal float32."""
 

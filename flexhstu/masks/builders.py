@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .._errors import as_int, bad_value
+from .._errors import as_int, as_span, bad_value
 from ..jagged import (
     can_read_values,
     check_num_targets_meta,
@@ -92,9 +92,9 @@ def fixed(
     ``[0, first_ge(v))``; the row is ``{i} u A u C`` with ``A = [0 or s, p)``
     (history before it, cut to the window) and ``C`` the contextual prefix.
     """
-    w = as_int("max_attn_len", max_attn_len)
-    c = as_int("contextual_seq_len", contextual_seq_len)
-    fmin = as_int("min_full_attn_seq_len", min_full_attn_seq_len)
+    w = as_span("max_attn_len", max_attn_len)
+    c = as_span("contextual_seq_len", contextual_seq_len)
+    fmin = as_span("min_full_attn_seq_len", min_full_attn_seq_len)
     total, checked = _prepare(seq_offsets, total)
     seq, i, length = row_coords(seq_offsets, total)
     has_t = num_targets is not None
@@ -149,9 +149,9 @@ def sla(
 
     Width 3.
     """
-    k1 = as_int("sla_k1", sla_k1)
-    k2 = as_int("sla_k2", sla_k2)
-    c = as_int("contextual_seq_len", contextual_seq_len)
+    k1 = as_span("sla_k1", sla_k1)
+    k2 = as_span("sla_k2", sla_k2)
+    c = as_span("contextual_seq_len", contextual_seq_len)
     total, checked = _prepare(seq_offsets, total)
     seq, i, length = row_coords(seq_offsets, total)
     hb = length - _targets_per_row(num_targets, seq_offsets, seq, checked)

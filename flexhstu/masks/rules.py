@@ -34,8 +34,37 @@ def dense_fixed(
     """The HSTU valid-mask rule as bool ``(B, 1, N, N)``; padding rows/columns False.
 
     ``causal=False`` uses ``|ids(i) - ids(j)|`` for the distance, as the
-    reference implementations do.
+    reference implementations do. Every argument is checked (the offsets' and num_targets' values are read).
     """
+    from .._errors import as_bool, as_int, as_span, bad_value
+    from ..jagged import check_num_targets_meta, check_num_targets_values, check_offsets_meta, check_offsets_values
+
+    check_offsets_meta(seq_offsets)
+    check_offsets_values(seq_offsets)
+    n = as_int("max_seq_len", max_seq_len)
+    longest = int((seq_offsets[1:] - seq_offsets[:-1]).max()) if seq_offsets.numel() > 1 else 0
+    if n < longest:
+        raise bad_value("max_seq_len", f"at least every sequence length (the longest has {longest})", n)
+    if num_targets is not None:
+        check_num_targets_meta(num_targets, seq_offsets.numel() - 1)
+        check_num_targets_values(num_targets, seq_offsets)
+    return _dense_fixed(seq_offsets, n, causal=as_bool("causal", causal), num_targets=num_targets,
+                        max_attn_len=as_span("max_attn_len", max_attn_len),
+                        contextual_seq_len=as_span("contextual_seq_len", contextual_seq_len),
+                        min_full_attn_seq_len=as_span("min_full_attn_seq_len", min_full_attn_seq_len))
+
+
+def _dense_fixed(
+    seq_offsets: torch.Tensor,
+    max_seq_len: int,
+    *,
+    causal: bool = True,
+    num_targets: torch.Tensor | None = None,
+    max_attn_len: int = 0,
+    contextual_seq_len: int = 0,
+    min_full_attn_seq_len: int = 0,
+) -> torch.Tensor:
+    """``dense_fixed`` of checked arguments (the references call it after ``hstu_mha``'s checks)."""
     offs = seq_offsets.to(torch.int64)
     n = int(max_seq_len)
     lengths = offs[1:] - offs[:-1]

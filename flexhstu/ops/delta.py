@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .._errors import as_finite, as_int, as_scaling, bad_type, bad_value
+from .._errors import as_alpha, as_int, as_scaling, bad_type, bad_value
 from ..jagged import (
     can_read_values,
     check_lengths_at_most,
@@ -124,7 +124,7 @@ def delta_hstu_mha(
         # CUDA, and these assertions fired on them (H200, 2026-12-03). The exported serving scorer builds its
         # offsets itself (HistoryCache.gather, the micro-batch counts), so they hold what the assertions check.
         _assert_values_on_device(seq_offsets, q_offsets, q_start, k.shape[0], delta_q.shape[0], kv_lengths)
-    alpha = delta_q.shape[2] ** -0.5 if alpha is None else as_finite("alpha", alpha)
+    alpha = as_alpha(alpha, delta_q.shape[2])
     scaling = as_scaling("scaling_seqlen", scaling_seqlen)
     if scaling <= 0:
         scaling = float(max_seq_len) or 1.0

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from .._errors import as_bool, as_finite, as_int, as_scaling, bad_type, bad_value
+from .._errors import as_alpha, as_bool, as_int, as_scaling, as_span, bad_type, bad_value
 from ..jagged import (
     can_read_values,
     check_lengths_at_most,
@@ -141,7 +141,7 @@ def _checked_call(
         _check_values_on_host(seq_offsets, total, max_seq_len, rule.num_targets)
     elif torch.compiler.is_compiling():
         _assert_values_on_device(seq_offsets, total, rule.num_targets)
-    alpha = q.shape[2] ** -0.5 if alpha is None else as_finite("alpha", alpha)
+    alpha = as_alpha(alpha, q.shape[2])
     scaling = -1.0 if scaling_seqlen is None else as_scaling("scaling_seqlen", scaling_seqlen)
     if attn_scale is not None:
         _check_attn_scale(attn_scale, total, scaling)
@@ -189,7 +189,7 @@ def _checked_rule(rule: FixedRule, batch: int) -> FixedRule:
     causal = as_bool("causal", rule.causal)  # "no" or None would pass a truth test (audit)
     if rule.num_targets is not None:
         check_num_targets_meta(rule.num_targets, batch)
-    ints = {name: as_int(name, getattr(rule, name)) for name in FixedRule._fields[2:]}
+    ints = {name: as_span(name, getattr(rule, name)) for name in FixedRule._fields[2:]}
     return rule._replace(causal=causal, **ints)
 
 

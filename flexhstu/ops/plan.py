@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .._errors import as_bool, as_int, bad_type, bad_value
+from .._errors import as_bool, as_int, as_span, bad_type, bad_value
 from ..jagged import can_read_values, check_offsets_meta, row_coords
 from ..masks.format import check_func_meta, validate
 from ..masks.rules import FixedRule
@@ -149,6 +149,10 @@ def build_plan(seq_offsets: torch.Tensor, *, total: int, max_seq_len: int, attn_
 
     ``device`` defaults to the offsets' device (and must be it). Nothing is read back from the device;
     Triton's block tables and key-major plans are built when a call first needs them.
+
+    A call refuses a plan whose offsets, func or num_targets changed in place after it was built (their
+    version counters moved). Tensors made under ``torch.inference_mode`` have no version counter: change one
+    in place and build the plan again, as nothing can tell.
     """
     if not isinstance(seq_offsets, torch.Tensor):
         raise bad_type("seq_offsets", "a torch.Tensor", type(seq_offsets).__name__)
@@ -177,9 +181,11 @@ def build_plan(seq_offsets: torch.Tensor, *, total: int, max_seq_len: int, attn_
         causal = as_bool("causal", causal)
         if not causal and (num_targets, max_attn_len, contextual_seq_len) != (None, 0, 0):
             raise bad_value("causal", "True when num_targets, max_attn_len or contextual_seq_len is given", causal)
+        if num_targets is not None and not isinstance(num_targets, torch.Tensor):
+            raise bad_type("num_targets", "None or an integer tensor of shape (B,)", type(num_targets).__name__)
         if num_targets is not None and (num_targets.dim() != 1 or num_targets.numel() != seq_offsets.numel() - 1):
             raise bad_value("num_targets", f"shape ({seq_offsets.numel() - 1},)", tuple(num_targets.shape))
-        mask = FixedRule(causal, num_targets, as_int("max_attn_len", max_attn_len),
-                         as_int("contextual_seq_len", contextual_seq_len),
-                         as_int("min_full_attn_seq_len", min_full_attn_seq_len))
+        mask = FixedRule(causal, num_targets, as_span("max_attn_len", max_attn_len),
+                         as_span("contextual_seq_len", contextual_seq_len),
+                         as_span("min_full_attn_seq_len", min_full_attn_seq_len))
     return AttnPlan(seq_offsets, total, max_seq_len, mask, sparse)

@@ -63,6 +63,8 @@ CASES = [
     (dict(alpha=float("nan")), ValueError, r"alpha: expected a finite number, got nan"),
     (dict(alpha=float("inf")), ValueError, r"alpha: expected a finite number, got inf"),
     (dict(alpha="0.5"), TypeError, r"alpha: expected a real number, got str"),
+    # Audit: a Python float beyond float32 became inf in the kernels' float32 scale, and every output NaN.
+    (dict(alpha=1e39), ValueError, r"alpha: expected a number float32 holds \(\|alpha\| <= 3.403e\+38\), got 1e\+39"),
     (dict(scaling_seqlen=float("nan")), ValueError, r"scaling_seqlen: expected a finite number, got nan"),
     (dict(scaling_seqlen=float("-inf")), ValueError, r"scaling_seqlen: expected a finite number, got -inf"),
     # 1 / 1e-300 overflows float32: every output was NaN (bad-input audit); 1 / 1e300 underflows to 0.
@@ -168,3 +170,46 @@ def test_a_numpy_bool_is_a_bool_for_causal():
     flexhstu.build_plan(offs, total=5, max_seq_len=3, causal=np.False_)
     with pytest.raises(TypeError, match=r"causal: expected a bool \(Python or NumPy\), got str"):
         flexhstu.build_plan(offs, total=5, max_seq_len=3, causal="no")
+
+
+def test_alpha_none_with_a_zero_head_dim_is_a_named_error():
+    # Audit: 0 ** -0.5 raised ZeroDivisionError from inside hstu_mha.
+    q = torch.randn(8, 2, 0)
+    with pytest.raises(ValueError, match=r"alpha: expected a number when the head dim Dqk is 0"):
+        flexhstu.hstu_mha(5, None, q, q, torch.randn(8, 2, 4), offsets_from([5, 3]))
+
+
+def test_build_plan_names_num_targets_that_is_not_a_tensor():
+    with pytest.raises(TypeError, match=r"num_targets: expected None or an integer tensor of shape \(B,\), got list"):
+        flexhstu.build_plan(offsets_from([5, 3]), total=8, max_seq_len=5, num_targets=[1, 1])
+
+
+@pytest.mark.parametrize("huge", [2**31, 2**40, 2**64])
+def test_spans_longer_than_every_sequence_all_mean_the_same(huge):
+    # Audit: contextual_seq_len=2**64 gave the plain causal mask, 2**31 another one (int32 wrap-around), while
+    # every value above the sequence lengths means the same rule.
+    offs = offsets_from([5, 3, 0, 9])
+    q, k, v = (torch.randn(17, 2, 8) for _ in range(3))
+    nt = torch.tensor([1, 0, 0, 2])
+    for name, other in (("contextual_seq_len", {}), ("max_attn_len", {"contextual_seq_len": 2}),
+                        ("min_full_attn_seq_len", {"max_attn_len": 2})):
+        small, big = ({name: x, **other, "num_targets": nt} for x in (100, huge))
+        assert torch.equal(masks.fixed(offs, **small), masks.fixed(offs, **big)), name
+        assert torch.equal(masks.dense_fixed(offs, 9, **small), masks.dense_fixed(offs, 9, **big)), name
+        want = flexhstu.hstu_mha(9, 0.3, q, k, v, offs, kernel=Kernel.PYTORCH, **small)
+        for kernel in (Kernel.PYTORCH, Kernel.TRITON):
+            got = flexhstu.hstu_mha(9, 0.3, q, k, v, offs, kernel=kernel, **big)
+            torch.testing.assert_close(got, want, msg=f"{name} {kernel}")
+
+
+def test_dense_fixed_checks_its_arguments():
+    # Audit: the public dense rule checked nothing (a bad offsets tensor gave a mask of garbage).
+    offs = offsets_from([5, 3])
+    for kw, exc, msg in ((dict(max_seq_len=4), ValueError, r"max_seq_len: expected at least every sequence length"),
+                         (dict(causal="no"), TypeError, r"causal: expected a bool"),
+                         (dict(num_targets=torch.tensor([9, 1])), ValueError, r"num_targets\[0\]: expected 0 <= T"),
+                         (dict(max_attn_len=-1), ValueError, r"max_attn_len: expected a non-negative int")):
+        with pytest.raises(exc, match=msg):
+            masks.dense_fixed(offs, **{"max_seq_len": 5, **kw})
+    with pytest.raises(ValueError, match=r"seq_offsets: expected non-decreasing offsets"):
+        masks.dense_fixed(torch.tensor([0, 9, 8]), 9)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from ...jagged import lengths_of, row_coords
 from ...masks.format import to_dense
-from ...masks.rules import FixedRule, dense_fixed
+from ...masks.rules import FixedRule, _dense_fixed
 from ..bias import RelativeBias, dense_relative_bias
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -87,7 +87,7 @@ def pytorch_hstu_mha(
 def _decode(mask: torch.Tensor | FixedRule, offs: torch.Tensor, n: int) -> torch.Tensor:
     if isinstance(mask, torch.Tensor):
         return to_dense(mask, offs, n)
-    return dense_fixed(offs, n, **mask._asdict())
+    return _dense_fixed(offs, n, **mask._asdict())
 
 
 def _bias_tensors(bias: RelativeBias | torch.Tensor | None) -> tuple[torch.Tensor, ...]:
