@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything the GPU needs to check and measure, in one device call. Logs go to $OUT.
 # Usage (on the device machine, repo root): bash benchmarks/device_run.sh [stage ...]
-#   check    the GPU correctness suite (tests/gpu), outputs poisoned, float32 references (CHECK_K=expr: a subset)
+#   check    the GPU correctness suite (tests/gpu), outputs poisoned, float32 references (CHECK_K=expr: a subset;
+#            CHECK_PARTS processes, default 4)
 #   compile  sm_90 compile of every kernel variant, registers and spills
 #   bench    the attention suite of benchmarks/RESULTS.md (flexhstu bench --suite)
 #   graphs   which STU configurations capture in a CUDA graph (benchmarks/graph_check.py, a process each)
@@ -35,7 +36,20 @@ run() {  # run NAME SECONDS CMD...: one stage with its own time limit, its log u
 }
 for s in $stages; do
   case $s in
-    check) run check 240 python3 -m pytest tests/gpu -q -rA -p no:cacheprovider ${CHECK_K:+-k "$CHECK_K"} ;;
+    check)  # the tests spread round-robin over CHECK_PARTS processes (kernel compilation dominates: one process
+            # took over 240 s), each part's log under $OUT
+      parts=${CHECK_PARTS:-4}
+      python3 -m pytest tests/gpu -o addopts="" -q --collect-only -p no:cacheprovider ${CHECK_K:+-k "$CHECK_K"} 2>/dev/null \
+        | grep '::' > /tmp/check-ids.txt
+      echo "== check: $(wc -l < /tmp/check-ids.txt) tests in $parts processes (limit ${CHECK_LIMIT:-480}s each)"
+      for i in $(seq 0 $((parts - 1))); do
+        awk -v n="$parts" -v i="$i" '(NR - 1) % n == i' /tmp/check-ids.txt > "/tmp/check-ids-$i.txt"
+        xargs -d '\n' -a "/tmp/check-ids-$i.txt" timeout "${CHECK_LIMIT:-480}" python3 -m pytest -o addopts="" -q -rA -p no:cacheprovider \
+          > "$OUT/check-$i.log" 2>&1 &
+      done
+      wait
+      for i in $(seq 0 $((parts - 1))); do echo "-- part $i: $(tail -n 1 "$OUT/check-$i.log")"; done
+      grep -h "^FAILED\|^ERROR" "$OUT"/check-*.log ;;
     compile) run compile 120 python3 benchmarks/compile_check.py ;;
     bench) run bench 330 python3 benchmarks/bench.py --json "$OUT/bench.json" ;;
     graphs) run graphs 200 python3 benchmarks/graph_check.py ;;
