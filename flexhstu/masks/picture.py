@@ -15,15 +15,21 @@ def render(
     func: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int, path: str, *, head: int = 0, cell: int = 0,
     title: str = "",
 ) -> str:
-    """Draw ``func`` (head ``head``) for every sequence into a PNG at ``path``; returns the path.
+    """Draw ``func`` (head ``head``; a func of one head is every head's) for every sequence into a PNG at
+    ``path``; returns the path.
 
     Colours: visible pairs dark blue, hidden pairs light grey, padding (past
     the sequence's length) white. ``cell=0`` picks a pixel size per cell that
     keeps each panel near 256 px.
     """
+    from .._errors import as_int, bad_value
     from .format import to_dense
 
-    dense = to_dense(func, seq_offsets, max_seq_len)[:, min(head, func.shape[0] - 1)].cpu()
+    dense = to_dense(func, seq_offsets, max_seq_len)
+    head = as_int("head", head)
+    if func.shape[0] > 1 and head >= func.shape[0]:  # one head's func (Hf = 1) is every head's
+        raise bad_value("head", f"a head of the func, 0 to {func.shape[0] - 1}", head)
+    dense = dense[:, min(head, func.shape[0] - 1)].cpu()
     lengths = (seq_offsets[1:] - seq_offsets[:-1]).tolist()
     n = max(int(max_seq_len), 1)
     cell = cell or max(1, 256 // n)

@@ -170,3 +170,20 @@ def test_count_visible_refuses_offsets_of_another_total():
     func = masks.causal(torch.tensor([0, 3, 7]))
     with pytest.raises(ValueError, match=r"seq_offsets\[-1\]: expected the number of rows of the data \(7\), got 9"):
         masks.count_visible(func, torch.tensor([0, 3, 9]))
+
+
+def test_the_picture_names_a_head_the_func_does_not_have(tmp_path):
+    # Audit: head 5 of a two-head func drew head 1 without a word.
+    import torch
+
+    from flexhstu import masks
+    from flexhstu.masks import picture
+
+    offs = torch.tensor([0, 4, 7])
+    two = torch.cat([masks.causal(offs), masks.sla(offs, 2, 1)[:, :1]])  # (2, 1, 7): head 1 sees less
+    assert picture.render(two, offs, 4, str(tmp_path / "h1.png"), head=1) == str(tmp_path / "h1.png")
+    with pytest.raises(ValueError, match=r"head: expected a head of the func, 0 to 1, got 5"):
+        picture.render(two, offs, 4, str(tmp_path / "h5.png"), head=5)
+    with pytest.raises(ValueError, match=r"head: expected a non-negative int, got -1"):
+        picture.render(two, offs, 4, str(tmp_path / "hm.png"), head=-1)
+    picture.render(two[:1], offs, 4, str(tmp_path / "any.png"), head=3)  # one func for every head
