@@ -43,16 +43,16 @@ _UMASK = _umask()
 
 def save(state: dict, path: str | os.PathLike) -> None:
     """Write ``state`` (plus the format marker and version) to ``path`` atomically."""
-    _write_atomic(path, lambda f: torch.save({"format": FORMAT, "version": VERSION, **state}, f))
+    write_atomic(path, lambda f: torch.save({"format": FORMAT, "version": VERSION, **state}, f))
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` (UTF-8) to ``path`` atomically, as ``save`` writes checkpoints (run outputs a user keeps,
     ``metrics.json``: a kill mid-write leaves the previous file, never half of one)."""
-    _write_atomic(path, lambda f: f.write(text.encode()))
+    write_atomic(path, lambda f: f.write(text.encode()))
 
 
-def _write_atomic(path: str | os.PathLike, write) -> None:
+def write_atomic(path: str | os.PathLike, write) -> None:
     """``write(f)`` into a temporary file beside ``path``, flushed and synced, then renamed over ``path``."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp")

@@ -15,7 +15,6 @@ import importlib.util
 import math
 import os
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -243,15 +242,12 @@ def _read_mapped(source: Path, columns: dict[str, str]) -> Interactions:
 
 
 def _write_cache(cols: dict[str, np.ndarray], target: Path) -> None:
-    """Write under a unique temporary name and rename: concurrent first loads each rename a complete file."""
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.stem}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        pq.write_table(pa.table(cols), tmp)
-        os.replace(tmp, target)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    """Written as checkpoints are (``checkpoint.write_atomic``: a unique temporary file, synced, renamed over the
+    target, the umask's mode): concurrent first loads each rename a complete file, and a crash leaves none half
+    written."""
+    from ..checkpoint import write_atomic
+
+    write_atomic(target, lambda f: pq.write_table(pa.table(cols), f))
 
 
 def _read_cache(target: Path) -> pa.Table | None:
@@ -278,7 +274,8 @@ def load(data: str, cache_dir: str | os.PathLike | None = None, columns: dict[st
         return synthetic()
     source = recbole_ml100k_path() if data == "ml-100k" else Path(data)
     if not source.is_file():
-        raise FileNotFoundError(f"--data: expected ml-100k, synthetic or a ratings file, got '{data}' (no such file)")
+        why = "a folder: pass a file in it" if source.is_dir() else "no such file"
+        raise FileNotFoundError(f"--data: expected ml-100k, synthetic or a ratings file, got '{data}' ({why})")
     if columns:
         return _read_mapped(source, columns)
     if source.suffix == ".parquet":

@@ -207,3 +207,23 @@ def test_one_column_for_two_keys_is_refused():
     with pytest.raises(ValueError, match="--columns: expected a different column for each key, got 'uid' for both "
                                          "user and item"):
         parse_columns("user=uid,item=uid,time=ts")
+
+
+def test_a_folder_given_as_data_is_named_a_folder(tmp_path):
+    # Audit: a folder was reported as "no such file".
+    with pytest.raises(FileNotFoundError, match=r"got '.*' \(a folder: pass a file in it\)"):
+        load(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=r"got '.*nothing.csv' \(no such file\)"):
+        load(str(tmp_path / "nothing.csv"))
+
+
+def test_the_cache_is_written_with_the_mode_a_plain_write_would_get(tmp_path):
+    # Audit: the Parquet cache was a mkstemp file (mode 0600, not synced before its rename).
+    import os
+
+    load(str(_csv(tmp_path, ["1,10,4,100", "1,11,3,101"])), cache_dir=tmp_path / "cache")
+    (cached,) = (tmp_path / "cache").glob("*.parquet")
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert cached.stat().st_mode & 0o777 == 0o666 & ~umask
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [cached.name]  # no temporary file left
