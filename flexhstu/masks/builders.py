@@ -56,7 +56,7 @@ def _finish(func2d: torch.Tensor, nfunc_min: int, nfunc: int | None, nheads: int
     nheads = as_int("nheads", nheads, minimum=1)
     out = func2d[None]
     if nfunc is not None:
-        check_nfunc(nfunc)
+        nfunc = check_nfunc(nfunc)
         if nfunc < nfunc_min:
             raise bad_value("nfunc", f"at least this rule's width {nfunc_min}", nfunc)
         out = widen(out, nfunc)

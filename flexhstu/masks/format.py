@@ -13,6 +13,9 @@ with end <= start is empty.
 
 from __future__ import annotations
 
+import operator
+
+import numpy as np
 import torch
 
 from .._errors import as_int, bad_type, bad_value
@@ -23,15 +26,20 @@ HSTU_ARBITRARY_NFUNC = 5
 
 def num_intervals(nfunc: int) -> int:
     """Number of key intervals a func of width ``nfunc`` encodes: ``(nfunc + 1) // 2``."""
-    check_nfunc(nfunc, "nfunc")
-    return (nfunc + 1) // 2
+    return (check_nfunc(nfunc, "nfunc") + 1) // 2
 
 
-def check_nfunc(nfunc: int, arg: str = "nfunc") -> None:
-    if isinstance(nfunc, bool) or not isinstance(nfunc, int):
+def check_nfunc(nfunc: int, arg: str = "nfunc") -> int:
+    """``nfunc`` (a Python or NumPy int, not a bool) as an int, after checking it is odd and >= 1."""
+    if isinstance(nfunc, (bool, np.bool_, torch.Tensor)):
         raise bad_type(arg, "an odd int >= 1", type(nfunc).__name__)
+    try:
+        nfunc = operator.index(nfunc)
+    except TypeError:
+        raise bad_type(arg, "an odd int >= 1", type(nfunc).__name__) from None
     if nfunc < 1 or nfunc % 2 == 0:
         raise bad_value(arg, "an odd int >= 1", nfunc)
+    return nfunc
 
 
 def check_func_meta(func: torch.Tensor, total: int | None = None, nheads: int | None = None, arg: str = "func") -> None:
@@ -72,7 +80,7 @@ def widen(func: torch.Tensor, nfunc: int) -> torch.Tensor:
     A stride-0 head expansion stays a stride-0 expansion (no copy per head).
     """
     check_func_meta(func)
-    check_nfunc(nfunc)
+    nfunc = check_nfunc(nfunc)
     cur = func.shape[1]
     if nfunc < cur:
         raise bad_value("nfunc", f"at least the current width {cur}", nfunc)
@@ -170,7 +178,7 @@ def from_dense(dense: torch.Tensor, seq_offsets: torch.Tensor, *, nfunc: int | N
     if dense.dim() != 4 or dense.shape[-1] != dense.shape[-2]:
         raise bad_value("dense", "shape (B, [Hf,] N, N)", f"shape {tuple(dense.shape)}")
     if nfunc is not None:
-        check_nfunc(nfunc)
+        nfunc = check_nfunc(nfunc)
     check_offsets_values(seq_offsets)  # this function reads values anyway (a sync on CUDA)
     offs = seq_offsets.to(device=dense.device, dtype=torch.int64)
     bsz, hf, n = dense.shape[0], dense.shape[1], dense.shape[-1]

@@ -159,8 +159,11 @@ def build_plan(seq_offsets: torch.Tensor, *, total: int, max_seq_len: int, attn_
     check_offsets_meta(seq_offsets)
     total = as_int("total", total)
     max_seq_len = as_int("max_seq_len", max_seq_len)
-    if sparse is not None and not isinstance(sparse, bool):
-        raise bad_type("sparse", "None or a bool", type(sparse).__name__)
+    if sparse is not None:
+        try:
+            sparse = as_bool("sparse", sparse)
+        except TypeError:
+            raise bad_type("sparse", "None or a bool (Python or NumPy)", type(sparse).__name__) from None
     if device is not None and torch.device(device) != seq_offsets.device:
         raise bad_value("device", f"the device of seq_offsets ({seq_offsets.device})", torch.device(device))
     fixed_args = dict(num_targets=num_targets, causal=causal, max_attn_len=max_attn_len,

@@ -187,3 +187,23 @@ def test_the_picture_names_a_head_the_func_does_not_have(tmp_path):
     with pytest.raises(ValueError, match=r"head: expected a non-negative int, got -1"):
         picture.render(two, offs, 4, str(tmp_path / "hm.png"), head=-1)
     picture.render(two[:1], offs, 4, str(tmp_path / "any.png"), head=3)  # one func for every head
+
+
+def test_numpy_ints_and_bools_are_accepted_where_python_ones_are():
+    # Audit: masks.causal(nfunc=np.int64(3)) and build_plan(sparse=np.True_) were refused ("expected an odd int
+    # >= 1, got int64"; "expected None or a bool, got bool") while max_seq_len and causal took NumPy values.
+    import numpy as np
+
+    offs = offsets_from([5, 3])
+    f = masks.causal(offs)
+    assert torch.equal(masks.causal(offs, nfunc=np.int64(3)), masks.causal(offs, nfunc=3))
+    assert torch.equal(masks.widen(f, np.int32(5)), masks.widen(f, 5))
+    dense = masks.to_dense(f, offs, 5)
+    assert torch.equal(masks.from_dense(dense, offs, nfunc=np.int64(3)), masks.from_dense(dense, offs, nfunc=3))
+    assert masks.num_intervals(np.int64(5)) == 3
+    assert flexhstu.build_plan(offs, total=8, max_seq_len=5, sparse=np.True_).sparse is True
+    for bad, exc in ((True, TypeError), (3.0, TypeError), (np.int64(4), ValueError)):
+        with pytest.raises(exc, match=r"nfunc: expected an odd int >= 1"):
+            masks.widen(f, bad)
+    with pytest.raises(TypeError, match=r"sparse: expected None or a bool \(Python or NumPy\), got str"):
+        flexhstu.build_plan(offs, total=8, max_seq_len=5, sparse="yes")
