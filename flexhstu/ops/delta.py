@@ -103,7 +103,9 @@ def delta_hstu_mha(
         given, missing = ("q_offsets", "q_start") if q_start is None else ("q_start", "q_offsets")
         raise bad_value(missing, f"a tensor next to {given} (give both, or neither for the last rows)", None)
     if q_offsets is None:
-        if batch == 0 or delta_q.shape[0] % batch:
+        if batch == 0 and delta_q.shape[0]:
+            raise bad_value("delta_q.shape[0]", "0 (seq_offsets holds no sequence)", delta_q.shape[0])
+        if batch and delta_q.shape[0] % batch:
             raise bad_value("delta_q.shape[0]", f"a multiple of the batch size {batch} (last rows of each sequence)",
                             delta_q.shape[0])
         q_offsets, q_start = last_rows_offsets(seq_offsets, delta_q.shape[0] // max(batch, 1))

@@ -140,6 +140,10 @@ def test_empty_queries_and_empty_keys_give_empty_or_zero_rows():
     layout = dict(q_offsets=torch.tensor([0, 0, 0]), q_start=torch.tensor([0, 0]))
     out = flexhstu.delta_hstu_mha(4, None, q, k, v, offs, **layout)
     assert out.shape == (0, 2, 6)
+    # Audit: a batch of no sequence without q_offsets said "expected a multiple of the batch size 0, got 0".
+    assert flexhstu.delta_hstu_mha(4, None, q, k, v, torch.tensor([0])).shape == (0, 2, 6)
+    with pytest.raises(ValueError, match=r"delta_q.shape\[0\]: expected 0 \(seq_offsets holds no sequence\), got 3"):
+        flexhstu.delta_hstu_mha(4, None, qkv(3)[0], k, v, torch.tensor([0]))
 
 
 def test_asking_for_a_gradient_raises_forward_only():
