@@ -10,6 +10,7 @@ be the file the model was trained on.
 from __future__ import annotations
 
 import argparse
+import csv
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,7 +135,9 @@ class Recommender:
 def build_parser() -> Parser:
     p = Parser(prog="flexhstu recommend", description="Top-K items per user from a trained run, in the data's ids.")
     p.add_argument("--checkpoint", default="runs/latest/checkpoint.pt", help="the run's checkpoint.pt")
-    p.add_argument("--users", required=True, help="comma-separated user ids of the run's data, e.g. 1,2,3")
+    p.add_argument("--users", required=True,
+                   help="comma-separated user ids of the run's data, e.g. 1,2,3 (an id with a comma in double "
+                        "quotes: '\"a,b\",c')")
     p.add_argument("--k", type=positive_int, default=10, help="items per user")
     p.add_argument("--candidates", default=None,
                    help="comma-separated item ids to rank (required for a ranking model; else the whole catalogue)")
@@ -147,7 +150,10 @@ def build_parser() -> Parser:
 
 
 def _ids(text: str | None) -> list[str] | None:
-    return [x.strip() for x in text.split(",") if x.strip()] if text else None
+    """Comma-separated ids, read as one CSV line: an id holding a comma is written in double quotes."""
+    if not text:
+        return None
+    return [x.strip() for x in next(csv.reader([text], skipinitialspace=True)) if x.strip()]
 
 
 def cli(argv=None) -> int:

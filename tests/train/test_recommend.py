@@ -73,6 +73,9 @@ def test_the_command_prints_one_line_per_user_and_names_a_wrong_user(csv_run, ca
     assert main(["recommend", "--checkpoint", ckpt, "--users", "nobody"]) == 2
     assert capsys.readouterr().err.strip() == ("flexhstu recommend: error: --users: expected users of the run's data "
                                                "(with 3 or more events), got 'nobody'")
+    # Audit: an id holding a comma could not be asked for; in double quotes it is one id.
+    assert main(["recommend", "--checkpoint", ckpt, "--users", 'u1, "u2,x"']) == 2
+    assert capsys.readouterr().err.strip().endswith("got 'u2,x'")
 
 
 def test_a_ranking_model_scores_the_given_candidates_per_task(tmp_path):
