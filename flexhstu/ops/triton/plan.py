@@ -22,6 +22,8 @@ query block as ``rows`` (local positions), ``rows_g`` (jagged rows), ``row_ok``
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -168,8 +170,8 @@ def interval_visibility(func, targets, rule, rows, rows_g, row_ok, L, cols, n0, 
 
 # Register-resident intervals: for NFUNC <= 7 (up to four intervals) a block's row
 # intervals are loaded once into a tuple of eight vectors, so masking a key block
-# reads no memory. Wider funcs take the general path above (row_interval reloads
-# per key block).
+# reads no memory (mask_from_intervals). Wider funcs take the general path above
+# (row_interval reloads per key block).
 
 
 @triton.jit
@@ -211,27 +213,58 @@ def bounds_from_intervals(intervals, row_ok, NFUNC: tl.constexpr, INTERVALS_POW2
     return _reduce_bounds(parts)
 
 
+_OPAQUE = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+
+
 @triton.jit
-def visibility_from_intervals(intervals, rows, cols, n0, hlo, hhi, NFUNC: tl.constexpr, INTERVALS_POW2: tl.constexpr,
-                              BLOCK_N: tl.constexpr, TRANS: tl.constexpr):
-    """``interval_visibility`` from the tuple of ``load_row_intervals``; intervals whose hull misses
-    the block are skipped (one scalar test each)."""
+def _opaque(x):
+    """``x`` through an instruction the compiler may neither drop nor move (the interpreter, which has no inline
+    assembly, gets ``x``): a branch that holds it is compiled as a branch, not flattened into selects."""
+    if _OPAQUE:
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        return x
+
+
+@triton.jit
+def _visible_among(intervals, rows, cols, COUNT: tl.constexpr, TRANS: tl.constexpr):
+    """Visible pairs of intervals ``0..COUNT-1`` of the register-resident ``intervals``, all evaluated: a test
+    per interval and block ("does its hull meet the block") costs more than it saves, since the compiler
+    flattens it into the per-element selects (sm_90 SASS: 284 instructions per masked 64 x 64 block for two
+    intervals with the tests, 144 without). With more than two intervals every bound goes through
+    ``_opaque``, so that the compiler shares no work with ``mask_from_intervals``'s two-interval step (a
+    shared test would be hoisted above the branch between them, its predicates kept in registers)."""
     s0, e0, s1, e1, s2, e2, s3, e3 = intervals
-    meets = _meets_block(hlo, hhi, n0, BLOCK_N, INTERVALS_POW2)
-    vis = _nothing_visible(rows, cols, TRANS)
-    if (meets & 1) != 0:
-        vis = vis | _inside(s0, e0, cols, TRANS, True)
-    # Nested on purpose: the outer test is a constexpr (resolved at compile time), the inner one a runtime branch.
-    if NFUNC >= 3:  # noqa: SIM102
-        if (meets & 2) != 0:
+    if COUNT <= 2:
+        vis = _inside(s0, e0, cols, TRANS, True)
+        if COUNT == 2:
             vis = vis | _inside(s1, e1, cols, TRANS, False)
-    if NFUNC >= 5:  # noqa: SIM102
-        if (meets & 4) != 0:
-            vis = vis | _inside(s2, e2, cols, TRANS, False)
-    if NFUNC >= 7:  # noqa: SIM102
-        if (meets & 8) != 0:
-            vis = vis | _inside(s3, e3, cols, TRANS, False)
+    else:
+        vis = _inside(s0, _opaque(e0), cols, TRANS, True) | _inside(_opaque(s1), e1, cols, TRANS, False)
+        vis = vis | _inside(_opaque(s2), e2, cols, TRANS, False)
+        if COUNT == 4:
+            vis = vis | _inside(_opaque(s3), e3, cols, TRANS, False)
     return vis
+
+
+@triton.jit
+def mask_from_intervals(x, intervals, rows, cols, n0, hlo, hhi, NFUNC: tl.constexpr, INTERVALS_POW2: tl.constexpr,
+                        BLOCK_N: tl.constexpr, TRANS: tl.constexpr):
+    """``x`` zeroed where the register-resident ``intervals`` (``load_row_intervals``) hide a pair: the rule of
+    ``interval_visibility``.
+
+    With three or four intervals, a key block that no hull of interval 2 or 3 meets takes the two-interval
+    masking step: the choice is one scalar test per block and a real branch (``_opaque`` keeps the compiler
+    from merging the two steps), so the empty intervals of a widened func cost nothing per element.
+    """
+    COUNT: tl.constexpr = (NFUNC + 1) // 2
+    if COUNT <= 2:  # noqa: SIM114 (a constexpr test, then a runtime one: Python's `or` cannot join them)
+        x = tl.where(_visible_among(intervals, rows, cols, COUNT, TRANS), x, 0.0)
+    elif (_meets_block(hlo, hhi, n0, BLOCK_N, INTERVALS_POW2) >> 2) != 0:
+        x = tl.where(_visible_among(intervals, rows, cols, COUNT, TRANS), x, 0.0)
+    else:
+        x = tl.where(_visible_among(intervals, rows, cols, 2, TRANS), x, 0.0)
+    return x
 
 
 @triton.jit

@@ -23,7 +23,7 @@ from .plan import (
     kv_block_at,
     kv_ranges,
     load_row_intervals,
-    visibility_from_intervals,
+    mask_from_intervals,
 )
 from .rules import MODE_CAUSAL, head_func, sequence_targets
 from .tables import locate_block
@@ -85,15 +85,14 @@ def query_major_walk(acc, q, do, K, V, func, rule, h, seq, seq_start, L, m0, row
             if not block_is_full(n0, tl.minimum(n0 + BLOCK_N, L), clo, chi):
                 cols = n0 + tl.arange(0, BLOCK_N)
                 if INTERVALS_IN_REGISTERS:
-                    vis = visibility_from_intervals(intervals=intervals, rows=rows, cols=cols, n0=n0, hlo=hlo, hhi=hhi,
-                                                    NFUNC=NFUNC, INTERVALS_POW2=INTERVALS_POW2, BLOCK_N=BLOCK_N,
-                                                    TRANS=False)
+                    x = mask_from_intervals(x=x, intervals=intervals, rows=rows, cols=cols, n0=n0, hlo=hlo, hhi=hhi,
+                                            NFUNC=NFUNC, INTERVALS_POW2=INTERVALS_POW2, BLOCK_N=BLOCK_N, TRANS=False)
                 else:
                     vis = interval_visibility(func=func_h, targets=targets, rule=rule, rows=rows, rows_g=rows_g,
                                               row_ok=row_ok, L=L, cols=cols, n0=n0, hlo=hlo, hhi=hhi, NFUNC=NFUNC,
                                               MODE=MODE, HAS_TARGETS=HAS_TARGETS, INTERVALS_POW2=INTERVALS_POW2,
                                               BLOCK_N=BLOCK_N, TRANS=False)
-                x = tl.where(vis, x, 0.0)
+                    x = tl.where(vis, x, 0.0)
             acc += tl.dot(x.to(y.dtype), y, input_precision=DOT_PRECISION)
     return acc
 
