@@ -248,19 +248,30 @@ def _visible_among(intervals, rows, cols, COUNT: tl.constexpr, TRANS: tl.constex
 
 
 @triton.jit
-def mask_from_intervals(x, intervals, rows, cols, n0, hlo, hhi, NFUNC: tl.constexpr, INTERVALS_POW2: tl.constexpr,
+def wide_hull(hlo, hhi, INTERVALS_POW2: tl.constexpr):
+    """``(lo, hi)``: the key columns that the hulls of intervals 2 and up span together (``lo >= hi`` when they
+    are all empty); computed once per query block, so that a key block's choice of masking step is two scalar
+    comparisons (``mask_from_intervals``)."""
+    jr = tl.arange(0, INTERVALS_POW2)
+    wide = (jr >= 2) & (hlo < hhi)
+    return tl.min(tl.where(wide, hlo, BIG), axis=0), tl.max(tl.where(wide, hhi, 0), axis=0)
+
+
+@triton.jit
+def mask_from_intervals(x, intervals, rows, cols, n0, wide_lo, wide_hi, NFUNC: tl.constexpr,
                         BLOCK_N: tl.constexpr, TRANS: tl.constexpr):
     """``x`` zeroed where the register-resident ``intervals`` (``load_row_intervals``) hide a pair: the rule of
     ``interval_visibility``.
 
-    With three or four intervals, a key block that no hull of interval 2 or 3 meets takes the two-interval
-    masking step: the choice is one scalar test per block and a real branch (``_opaque`` keeps the compiler
-    from merging the two steps), so the empty intervals of a widened func cost nothing per element.
+    With three or four intervals, a key block outside ``[wide_lo, wide_hi)`` (``wide_hull``: where intervals 2
+    and 3 can be) takes the two-interval masking step: the choice is two scalar comparisons per block and a
+    real branch (``_opaque`` keeps the compiler from merging the two steps), so the empty intervals of a
+    widened func cost nothing per element.
     """
     COUNT: tl.constexpr = (NFUNC + 1) // 2
     if COUNT <= 2:  # noqa: SIM114 (a constexpr test, then a runtime one: Python's `or` cannot join them)
         x = tl.where(_visible_among(intervals, rows, cols, COUNT, TRANS), x, 0.0)
-    elif (_meets_block(hlo, hhi, n0, BLOCK_N, INTERVALS_POW2) >> 2) != 0:
+    elif (wide_lo < n0 + BLOCK_N) & (wide_hi > n0):
         x = tl.where(_visible_among(intervals, rows, cols, COUNT, TRANS), x, 0.0)
     else:
         x = tl.where(_visible_among(intervals, rows, cols, 2, TRANS), x, 0.0)

@@ -24,6 +24,7 @@ from .plan import (
     kv_ranges,
     load_row_intervals,
     mask_from_intervals,
+    wide_hull,
 )
 from .rules import MODE_CAUSAL, head_func, sequence_targets
 from .tables import locate_block
@@ -76,6 +77,7 @@ def query_major_walk(acc, q, do, K, V, func, rule, h, seq, seq_start, L, m0, row
                                               row_ok=row_ok, L=L, NFUNC=NFUNC, MODE=MODE, HAS_TARGETS=HAS_TARGETS,
                                               INTERVALS_POW2=INTERVALS_POW2)
         kstart, klen, kcum = kv_ranges(hlo, hhi, BLOCK_N, INTERVALS_POW2)
+        wide_lo, wide_hi = wide_hull(hlo, hhi, INTERVALS_POW2) if NFUNC >= 5 else (0, 0)
         for it in range(SPLIT, tl.sum(klen, axis=0), N_SPLITS):
             n0 = kv_block_at(it, kstart, klen, kcum) * BLOCK_N
             x, y = BLOCK_FN(q=q, do=do, K=K, V=V, h=h, seq_start=seq_start, L=L, n0=n0, rows=rows,
@@ -85,8 +87,8 @@ def query_major_walk(acc, q, do, K, V, func, rule, h, seq, seq_start, L, m0, row
             if not block_is_full(n0, tl.minimum(n0 + BLOCK_N, L), clo, chi):
                 cols = n0 + tl.arange(0, BLOCK_N)
                 if INTERVALS_IN_REGISTERS:
-                    x = mask_from_intervals(x=x, intervals=intervals, rows=rows, cols=cols, n0=n0, hlo=hlo, hhi=hhi,
-                                            NFUNC=NFUNC, INTERVALS_POW2=INTERVALS_POW2, BLOCK_N=BLOCK_N, TRANS=False)
+                    x = mask_from_intervals(x=x, intervals=intervals, rows=rows, cols=cols, n0=n0, wide_lo=wide_lo,
+                                            wide_hi=wide_hi, NFUNC=NFUNC, BLOCK_N=BLOCK_N, TRANS=False)
                 else:
                     vis = interval_visibility(func=func_h, targets=targets, rule=rule, rows=rows, rows_g=rows_g,
                                               row_ok=row_ok, L=L, cols=cols, n0=n0, hlo=hlo, hhi=hhi, NFUNC=NFUNC,
