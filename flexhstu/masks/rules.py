@@ -48,29 +48,20 @@ def dense_fixed(
     if num_targets is not None:
         check_num_targets_meta(num_targets, seq_offsets.numel() - 1)
         check_num_targets_values(num_targets, seq_offsets)
-    return _dense_fixed(seq_offsets, n, causal=as_bool("causal", causal), num_targets=num_targets,
-                        max_attn_len=as_span("max_attn_len", max_attn_len),
-                        contextual_seq_len=as_span("contextual_seq_len", contextual_seq_len),
-                        min_full_attn_seq_len=as_span("min_full_attn_seq_len", min_full_attn_seq_len))
+    rule = FixedRule(as_bool("causal", causal), num_targets, as_span("max_attn_len", max_attn_len),
+                     as_span("contextual_seq_len", contextual_seq_len),
+                     as_span("min_full_attn_seq_len", min_full_attn_seq_len))
+    return _dense_fixed(seq_offsets, n, rule)
 
 
-def _dense_fixed(
-    seq_offsets: torch.Tensor,
-    max_seq_len: int,
-    *,
-    causal: bool = True,
-    num_targets: torch.Tensor | None = None,
-    max_attn_len: int = 0,
-    contextual_seq_len: int = 0,
-    min_full_attn_seq_len: int = 0,
-) -> torch.Tensor:
+def _dense_fixed(seq_offsets: torch.Tensor, max_seq_len: int, rule: FixedRule) -> torch.Tensor:
     """``dense_fixed`` of checked arguments (the references call it after ``hstu_mha``'s checks)."""
+    causal, num_targets, max_attn_len, c, min_full_attn_seq_len = rule
     offs = seq_offsets.to(torch.int64)
     n = int(max_seq_len)
     lengths = offs[1:] - offs[:-1]
     pos = torch.arange(n, device=offs.device)
     L = lengths[:, None]
-    c = contextual_seq_len
     x = pos[None, :].expand(lengths.numel(), n)
     ids = (x - c + 1).clamp(min=0) if c > 0 else x
     max_id = L - (c - 1 if c > 0 else 0)

@@ -186,9 +186,9 @@ def test_a_relative_data_path_resumes_and_recommends_from_another_directory(tmp_
     assert len(rec.recommend(["0"], k=3)[0].items) == 3
 
 
-def test_a_moved_project_resumes_on_its_data_file_there(tmp_path, monkeypatch):
-    # Review: recording the absolute path must not refuse a project copied elsewhere (same file name and size);
-    # another file name is still another run.
+def _copied_project(tmp_path, monkeypatch) -> list[str]:
+    """A project p1 with one epoch of a two-epoch run on its ratings.dat, copied to p2 (the working directory
+    now); returns the run's arguments."""
     import shutil
 
     monkeypatch.setenv("FLEXHSTU_CACHE", str(tmp_path / "cache"))
@@ -199,6 +199,13 @@ def test_a_moved_project_resumes_on_its_data_file_there(tmp_path, monkeypatch):
     train.main(argv + ["--stop-after", "1"])
     shutil.copytree(tmp_path / "p1", tmp_path / "p2")
     monkeypatch.chdir(tmp_path / "p2")
+    return argv
+
+
+def test_a_moved_project_resumes_on_its_data_file_there(tmp_path, monkeypatch):
+    # Review: recording the absolute path must not refuse a project copied elsewhere (same file name and size);
+    # another file name is still another run.
+    argv = _copied_project(tmp_path, monkeypatch)
     (tmp_path / "p2" / "other.dat").write_text((tmp_path / "p2" / "ratings.dat").read_text())
     with pytest.raises(UserError, match=r"--data '.*/p1/ratings.dat' in the checkpoint, '.*/p2/other.dat' now"):
         train.main(TINY[2:] + ["--data", "other.dat", "--epochs", "2", "--resume", "--out", "runs/r"])
@@ -210,18 +217,9 @@ def test_a_moved_project_resumes_on_its_data_file_there(tmp_path, monkeypatch):
 def test_same_sized_data_with_other_contents_is_refused_on_resume_and_recommend(tmp_path, monkeypatch):
     # Audit: a copy of the project whose data file was relabelled (same name, same size) resumed on it, and
     # recommend answered for the wrong users.
-    import shutil
-
     from flexhstu.recommend import Recommender
 
-    monkeypatch.setenv("FLEXHSTU_CACHE", str(tmp_path / "cache"))
-    (tmp_path / "p1").mkdir()
-    _ratings(tmp_path / "p1", 6)
-    monkeypatch.chdir(tmp_path / "p1")
-    argv = TINY[2:] + ["--data", "ratings.dat", "--epochs", "2", "--out", "runs/r"]
-    train.main(argv + ["--stop-after", "1"])
-    shutil.copytree(tmp_path / "p1", tmp_path / "p2")
-    monkeypatch.chdir(tmp_path / "p2")
+    argv = _copied_project(tmp_path, monkeypatch)
     lines = (tmp_path / "p2" / "ratings.dat").read_text().splitlines(True)
     relabelled = "".join(f"{4 - int(u)}::{rest}" for u, _, rest in (line.partition("::") for line in lines))
     (tmp_path / "p2" / "ratings.dat").write_text(relabelled)

@@ -77,7 +77,7 @@ def _decode(mask: torch.Tensor | FixedRule, offs: torch.Tensor, qrows: torch.Ten
         for j in range(1, (mask.shape[1] + 1) // 2):
             vis = vis | ((cols >= f[..., 2 * j - 1 : 2 * j]) & (cols < f[..., 2 * j : 2 * j + 1]))
         return vis
-    full = _dense_fixed(offs, n, **mask._asdict())  # (B, 1, N, N): the rule over whole sequences
+    full = _dense_fixed(offs, n, mask)  # (B, 1, N, N): the rule over whole sequences
     batch = torch.arange(offs.numel() - 1, device=offs.device)[:, None]
     return full[batch, 0, pos.clamp(0, n - 1)][:, None]  # out-of-range rows are cut by the caller
 

@@ -87,7 +87,7 @@ def pytorch_hstu_mha(
 def _decode(mask: torch.Tensor | FixedRule, offs: torch.Tensor, n: int) -> torch.Tensor:
     if isinstance(mask, torch.Tensor):
         return to_dense(mask, offs, n)
-    return _dense_fixed(offs, n, **mask._asdict())
+    return _dense_fixed(offs, n, mask)
 
 
 def _bias_tensors(bias: RelativeBias | torch.Tensor | None) -> tuple[torch.Tensor, ...]:
