@@ -125,7 +125,11 @@ def backward(dout, q, k, v, offs, vis: Visibility, alpha: float, out_scale: floa
     # max_seq_len only sizes the split: the last chunk runs to the end of the range whatever its length,
     # and with one program per key block (n_split 1) no range is split, since only n_split > 1 zeroes
     # the outputs that the split path adds into.
-    q_blocks_max = max(1, -(-max(max_seq_len, 1) // tkv.block_m))
+    hint = max(max_seq_len, 1)
+    if interpreting:  # the offsets are on the host: a hint above the longest sequence is cut to it (it made most
+        # programs empty, each a Python call in the interpreter); a smaller one is kept, as on the GPU
+        hint = min(hint, max(int((offs[1:] - offs[:-1]).max()) if offs.numel() > 1 else 1, 1))
+    q_blocks_max = max(1, -(-hint // tkv.block_m))
     chunk = 2 if interpreting else max(32, -(-q_blocks_max // 8))
     n_split = max(1, -(-q_blocks_max // chunk))
     if n_split == 1:
