@@ -67,8 +67,11 @@ class Recommender:
         else:
             loaded = load(source, columns=config.get("columns"))
         if len(loaded) != config["data_rows"] or loaded.num_items != config["num_items"]:
+            why = (f"; the file holds {loaded.duplicates} duplicate events, which this flexhstu drops and the run "
+                   "(an older flexhstu) trained on" if len(loaded) + loaded.duplicates == config["data_rows"] and
+                   loaded.duplicates else "")
             raise ValueError(f"--data {source}: expected the run's data ({config['data_rows']} events, "
-                             f"{config['num_items']} items), got {len(loaded)} events, {loaded.num_items} items")
+                             f"{config['num_items']} items), got {len(loaded)} events, {loaded.num_items} items{why}")
         if source != "synthetic" and config.get("data_digest") not in (None, data_digest(loaded)):
             raise ValueError(f"--data {source}: expected the run's data, got other contents of the same size (its "
                              "events or ids differ from those the run trained on)")

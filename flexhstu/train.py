@@ -362,6 +362,7 @@ class Splits:
     user_ids: list = field(default_factory=list)  # the data file's id of the user of sequence s at [s]
     weights: np.ndarray | None = None  # per unit, what its loss is a mean over: targets (retrieval), candidates
     digest: str | None = None  # data_digest of the events read (None for synthetic data: its arguments say all)
+    duplicates: int = 0  # exact duplicate events the data file held (dropped)
 
 
 @dataclass
@@ -384,6 +385,7 @@ def prepare_data(a: argparse.Namespace) -> Splits:
         data = load(a.data, columns=a.columns)
     ids = file_ids(data, user_sequences(data))
     ids["digest"] = None if a.data == "synthetic" else data_digest(data)
+    ids["duplicates"] = data.duplicates
     if a.task == "retrieval":
         seqs, valid, test = leave_one_out(data)
         if not seqs.items:
@@ -575,6 +577,9 @@ def resume(a: argparse.Namespace, d: Splits, out: Path, model: torch.nn.Module, 
                if was[k] != now[k] and k != "data_digest"]
     if was["data_digest"] != now["data_digest"] and not changed:
         changed = [f"--data {now['data']}: other contents than the run's data (same size; its events or ids differ)"]
+    if d.duplicates and was["data_rows"] == now["data_rows"] + d.duplicates:
+        changed.append(f"the data file holds {d.duplicates} duplicate events, which this flexhstu drops and the "
+                       "run (an older flexhstu) trained on")
     if changed:
         raise ValueError(f"--resume: expected the run of {ckpt}, got a different one: " + "; ".join(changed))
     if "sharded" in state:

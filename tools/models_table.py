@@ -63,10 +63,14 @@ def tables(groups: dict[tuple[str, str], list[dict]]) -> str:
         header = "| model | data | epochs | seeds | " + " | ".join(f"test AUC {t}" for t in TASKS) + " |"
         lines += ["" if lines else None, header, "|---|---|---|---|" + "---|" * len(TASKS)]
         for label, runs in ranking.items():
-            cells = [mean_std([r[f"AUC {t}"] for r in runs if not math.isnan(r[f"AUC {t}"])] or [math.nan])
-                     for t in TASKS]
+            cells = [mean_std([r[f"AUC {t}"] for r in runs if _number(r[f"AUC {t}"])] or [math.nan]) for t in TASKS]
             lines.append(f"| {label} | {len(runs)} | " + " | ".join(cells) + " |")
     return "\n".join(x for x in lines if x is not None)
+
+
+def _number(x) -> bool:
+    """A metric that is a number: metrics.json writes null for one that is not (an AUC without both classes)."""
+    return x is not None and not math.isnan(x)
 
 
 def main(argv: list[str]) -> int:

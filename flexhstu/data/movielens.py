@@ -42,6 +42,7 @@ class Interactions:
     name: str
     item_ids: np.ndarray | None = None
     user_ids: np.ndarray | None = None
+    duplicates: int = 0  # exact duplicate events dropped when read
 
     def __len__(self) -> int:
         return len(self.user)
@@ -171,13 +172,16 @@ def _to_interactions(table: pa.Table, name: str, names: dict[str, str] | None = 
     if not np.isfinite(rating).all():
         raise ValueError(f"{name}: column '{names['rating']}' expected finite numbers")
     user, item, timestamp = user.astype(np.int64), item.astype(np.int64) + 1, cols["timestamp"].astype(np.int64)
-    _, first = np.unique(np.stack([user, item, timestamp], axis=1), axis=0, return_index=True)
-    if len(first) < len(user):
+    # Arrow's hash grouping: 7 s for 20M events on 2 cores, where numpy's unique over rows (a lexsort) took minutes.
+    keys = pa.table({"u": user, "i": item, "t": timestamp, "row": np.arange(len(user))})
+    first = keys.group_by(["u", "i", "t"]).aggregate([("row", "min")]).column("row_min").to_numpy()
+    dropped = len(user) - len(first)
+    if dropped:
         keep = np.sort(first)
-        print(f"flexhstu: {name}: dropped {len(user) - len(keep)} duplicate events (same user, item and "
-              "timestamp; the first of each is kept)", file=sys.stderr)
+        print(f"flexhstu: {name}: dropped {dropped} duplicate events (same user, item and timestamp; the first "
+              "of each is kept)", file=sys.stderr)
         user, item, rating, timestamp = user[keep], item[keep], rating[keep], timestamp[keep]
-    return Interactions(user, item, rating, timestamp, len(item_ids), name, item_ids, user_ids)
+    return Interactions(user, item, rating, timestamp, len(item_ids), name, item_ids, user_ids, dropped)
 
 
 def data_digest(data: Interactions) -> str:

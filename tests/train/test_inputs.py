@@ -239,3 +239,21 @@ def test_a_synthetic_run_of_other_sizes_recommends(tmp_path):
     train.main(TINY + ["--synthetic-users", "50", "--synthetic-items", "30", "--epochs", "1", "--out", str(tmp_path)])
     answer = Recommender.from_checkpoint(tmp_path / "checkpoint.pt").recommend([3], k=4)[0]
     assert len(answer.items) == 4 and set(answer.items) <= set(range(1, 31))
+
+
+def test_a_run_trained_on_duplicate_events_is_told_why_it_no_longer_resumes(tmp_path, monkeypatch):
+    # Review: a run of an older flexhstu trained on a file's duplicate events, which are now dropped; --resume
+    # said only "--data-rows 32 in the checkpoint, 30 now".
+    monkeypatch.setenv("FLEXHSTU_CACHE", str(tmp_path / "cache"))
+    data = _ratings(tmp_path, 6)
+    argv = TINY[2:] + ["--data", data, "--epochs", "2", "--out", str(tmp_path / "r")]
+    train.main(argv + ["--stop-after", "1"])
+    lines = (tmp_path / "ratings.dat").read_text().splitlines(True)
+    (tmp_path / "ratings.dat").write_text("".join(lines + lines[:2]))  # as the older run read it
+    state = checkpoint.load(tmp_path / "r" / "checkpoint.pt")
+    state["config"].update(data_rows=len(lines) + 2, data_digest=None)
+    ckpt = tmp_path / "r" / "checkpoint.pt"
+    checkpoint.save({k: v for k, v in state.items() if k not in ("format", "version")}, ckpt)
+    with pytest.raises(UserError, match=rf"--data-rows {len(lines) + 2} in the checkpoint, {len(lines)} now; the "
+                                        "data file holds 2 duplicate events, which this flexhstu drops"):
+        train.main(argv + ["--resume"])

@@ -36,3 +36,13 @@ def test_seeds_of_one_configuration_give_mean_and_sample_std(tmp_path, capsys):
 def test_no_complete_run_is_an_error(tmp_path, capsys):
     assert models_table.main([str(tmp_path)]) == 2
     assert "no complete run" in capsys.readouterr().err
+
+
+def test_a_metric_written_as_null_is_left_out_of_its_mean(tmp_path, capsys):
+    # Review: metrics.json writes null for a NaN AUC (one class absent), and math.isnan(None) raised here.
+    ranking = {**ARGS, "task": "ranking", "model": "onerank", "no_task_tokens": True, "epochs": 4}
+    for seed, rated5 in ((0, 0.5), (1, None)):
+        _run(tmp_path / f"seed{seed}", {**ranking, "seed": seed},
+             {"AUC watched": 0.7, "AUC rated>=4": 0.6, "AUC rated5": rated5})
+    assert models_table.main([str(tmp_path)]) == 0
+    assert "| 2 | 0.7000 +- 0.0000 | 0.6000 +- 0.0000 | 0.5000 +- - |" in capsys.readouterr().out
