@@ -317,7 +317,25 @@ def latest_after_output(out: Path, rank: int) -> None:
 
 def resolve_out(a: argparse.Namespace, rank: int, world: int) -> Path:
     """The run's folder: ``--out``; else ``runs/latest`` on ``--resume``; else a new folder that ``runs/latest``
-    then points to (made by rank 0, its name sent to the other ranks)."""
+    then points to. Rank 0 makes, checks and locks it and sends the other ranks its name, or the error that
+    stopped it (so that they stop too, rather than wait for it in the first collective)."""
+    shared: list = [None, None]  # the folder's name, rank 0's error
+    if rank == 0:
+        try:
+            shared[0] = str(_claim_out(a))
+        except (ValueError, OSError) as e:
+            if world == 1:
+                raise
+            shared[1] = f"{e.strerror}: '{e.filename}'" if isinstance(e, OSError) and e.strerror else str(e)
+    if world > 1:
+        dist.broadcast_object_list(shared, src=0)
+        if shared[1] is not None:
+            raise ValueError(shared[1])
+    return Path(shared[0])
+
+
+def _claim_out(a: argparse.Namespace) -> Path:
+    """``resolve_out`` on rank 0: the folder, made, checked (no other run in it) and locked."""
     if a.out is not None:
         out = Path(a.out)
     elif a.resume:
@@ -326,22 +344,15 @@ def resolve_out(a: argparse.Namespace, rank: int, world: int) -> Path:
             raise FileNotFoundError(f"--resume: expected {latest} (the newest run), no such run; pass --out FOLDER")
         out = latest.resolve()
     else:
-        name = [None]
-        if rank == 0:
-            check_latest()  # before the run: it could not point runs/latest at its folder
-            out = new_run_folder(a)
-            _LATEST_PENDING.add(out)  # runs/latest moves once the run has written an output (latest_after_output)
-            name = [str(out)]
-        if world > 1:
-            dist.broadcast_object_list(name, src=0)
-        out = Path(name[0])
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        held = [f for f in ("checkpoint.pt", "metrics.json") if (out / f).exists()]
-        if held and not a.resume:
-            raise ValueError(f"--out: expected a folder without a run, got {out} holding {', '.join(held)} (pass "
-                             "--resume to continue it, or leave out --out for a new folder)")
-        lock_run(out)
+        check_latest()  # before the run: it could not point runs/latest at its folder
+        out = new_run_folder(a)
+        _LATEST_PENDING.add(out)  # runs/latest moves once the run has written an output (latest_after_output)
+    out.mkdir(parents=True, exist_ok=True)
+    held = [f for f in ("checkpoint.pt", "metrics.json") if (out / f).exists()]
+    if held and not a.resume:
+        raise ValueError(f"--out: expected a folder without a run, got {out} holding {', '.join(held)} (pass "
+                         "--resume to continue it, or leave out --out for a new folder)")
+    lock_run(out)
     return out
 
 

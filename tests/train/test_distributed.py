@@ -223,3 +223,22 @@ def test_a_sharded_run_resumes_only_with_its_sharding_and_its_folders(tmp_path):
         f.unlink()
     with pytest.raises(UserError, match=r"sharded/epoch-0001: expected a complete sharded checkpoint"):
         train.main(argv + ["--resume"])
+
+
+def test_a_folder_refused_on_rank_0_stops_every_rank(tmp_path):
+    # Review: rank 0 raised (the folder is locked by another run) while rank 1 went on to wait for it in the
+    # first collective, until the launcher tore the job down.
+    out = tmp_path / "locked"
+    out.mkdir()
+    train.lock_run(out)
+    try:
+        t0 = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                               "-m", "flexhstu.train", *TINY, "--epochs", "1", "--out", str(out)],
+                              capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    finally:
+        train.unlock_run(out)
+    err = done.stderr
+    assert done.returncode != 0 and time.monotonic() - t0 < 200, err[-2000:]
+    assert err.count("flexhstu train: error: --out: expected a folder no other flexhstu train is writing") == 2, \
+        err[-2000:]  # each rank says it in one line
