@@ -64,7 +64,7 @@ def as_span(arg: str, value: object) -> int:
     span at least as long as every sequence means the same at any size, and a larger int would wrap in the
     int32 arithmetic of the masks and kernels (audit: ``contextual_seq_len=2**31`` gave the plain causal mask)."""
     out = as_int(arg, value)
-    return out if isinstance(out, torch.SymInt) else min(out, SPAN_MAX)
+    return torch.sym_min(out, SPAN_MAX) if isinstance(out, torch.SymInt) else min(out, SPAN_MAX)
 
 
 SCALING_RANGE = (1e-37, 1e37)

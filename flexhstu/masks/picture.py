@@ -25,11 +25,10 @@ def render(
     from .._errors import as_int, bad_value
     from .format import to_dense
 
-    dense = to_dense(func, seq_offsets, max_seq_len)
     head = as_int("head", head)
-    if func.shape[0] > 1 and head >= func.shape[0]:  # one head's func (Hf = 1) is every head's
-        raise bad_value("head", f"a head of the func, 0 to {func.shape[0] - 1}", head)
-    dense = dense[:, min(head, func.shape[0] - 1)].cpu()
+    if isinstance(func, torch.Tensor) and func.dim() == 3 and func.shape[0] > 1 and head >= func.shape[0]:
+        raise bad_value("head", f"a head of the func, 0 to {func.shape[0] - 1}", head)  # Hf = 1: every head's
+    dense = to_dense(func, seq_offsets, max_seq_len)[:, min(head, func.shape[0] - 1)].cpu()
     lengths = (seq_offsets[1:] - seq_offsets[:-1]).tolist()
     n = max(int(max_seq_len), 1)
     cell = cell or max(1, 256 // n)
