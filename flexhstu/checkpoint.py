@@ -104,7 +104,8 @@ def load(path: str | os.PathLike, map_location=None) -> dict:
     """The state written by ``save``; ``ValueError`` naming ``path`` if it is not a complete flexhstu checkpoint."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: expected a flexhstu checkpoint, no such file")
+        why = "a folder: pass the checkpoint.pt in it" if path.is_dir() else "no such file"
+        raise FileNotFoundError(f"{path}: expected a flexhstu checkpoint, {why}")
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     # A foreign file can trip the weights-only unpickler anywhere (IndexError "pop from empty list" on a CSV).

@@ -152,11 +152,16 @@ def build_parser() -> Parser:
     return p
 
 
-def _ids(text: str | None) -> list[str] | None:
+def _ids(text: str | None, arg: str) -> list[str] | None:
     """Comma-separated ids, read as one CSV line: an id holding a comma is written in double quotes."""
     if not text:
         return None
-    return [x.strip() for x in next(csv.reader([text], skipinitialspace=True)) if x.strip()]
+    try:
+        ids = next(csv.reader([text], skipinitialspace=True, strict=True))
+    except csv.Error:
+        raise ValueError(f"{arg}: expected comma-separated ids (one holding a comma in double quotes), got {text!r} "
+                         "(a quote is not closed)") from None
+    return [x.strip() for x in ids if x.strip()]
 
 
 def cli(argv=None) -> int:
@@ -164,11 +169,13 @@ def cli(argv=None) -> int:
     a = build_parser().parse_args(argv)
 
     def command() -> int:
-        if a.candidates is not None and not _ids(a.candidates):  # user trial: '' ranked the whole catalogue
+        with user_input():
+            users, candidates = _ids(a.users, "--users"), _ids(a.candidates, "--candidates")
+        if a.candidates is not None and not candidates:  # user trial: '' ranked the whole catalogue
             raise UserError(f"--candidates: expected comma-separated item ids, got '{a.candidates}'")
         with user_input():
             rec = Recommender.from_checkpoint(a.checkpoint, data=a.data, device=a.device)
-            answers = rec.recommend(_ids(a.users), a.k, candidates=_ids(a.candidates), include_seen=a.include_seen)
+            answers = rec.recommend(users, a.k, candidates=candidates, include_seen=a.include_seen)
         if rec.ranking:
             print("scores: " + ", ".join(TASKS))
         for r in answers:

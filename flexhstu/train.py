@@ -347,6 +347,8 @@ def _claim_out(a: argparse.Namespace) -> Path:
         check_latest()  # before the run: it could not point runs/latest at its folder
         out = new_run_folder(a)
         _LATEST_PENDING.add(out)  # runs/latest moves once the run has written an output (latest_after_output)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out: expected a folder, got {out} (a file)")
     out.mkdir(parents=True, exist_ok=True)
     held = [f for f in ("checkpoint.pt", "metrics.json") if (out / f).exists()]
     if held and not a.resume:
@@ -584,7 +586,8 @@ def resume(a: argparse.Namespace, d: Splits, out: Path, model: torch.nn.Module, 
         was["data_digest"] = now["data_digest"]
     if was["model"] != "hstu":  # only hstu has a mask: older runs of other models recorded any --mask given
         was["mask"] = now["mask"]
-    changed = [f"--{k.replace('_', '-')} {was[k]!r} in the checkpoint, {now[k]!r} now" for k in was
+    label = {"data_rows": "events in the data:", "num_items": "items in the data:"}  # not options: say what they are
+    changed = [f"{label.get(k, '--' + k.replace('_', '-'))} {was[k]!r} in the checkpoint, {now[k]!r} now" for k in was
                if was[k] != now[k] and k != "data_digest"]
     if was["data_digest"] != now["data_digest"] and not changed:
         changed = [f"--data {now['data']}: other contents than the run's data (same size; its events or ids differ)"]
@@ -796,7 +799,7 @@ def plot(history: list[dict], path: Path, title: str, best_epoch: int | None) ->
         ax.axis("off")
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    checkpoint.write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=100))  # a kill leaves the old plot
     plt.close(fig)
 
 

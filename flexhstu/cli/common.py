@@ -57,6 +57,11 @@ def run(prog: str, fn: Callable[[], int], debug: bool) -> int:
             raise
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line (files a user keeps are written atomically: none is half done)
+        if debug:
+            raise
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
 
 
 def positive_int(text: str) -> int:

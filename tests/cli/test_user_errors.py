@@ -52,6 +52,11 @@ def _status(argv) -> int:
     (["train", "--data", "synthetic", "--metrics", "hr@5000"],
      "--metrics: expected a catalogue of more than 5000 items for hr@5000"),
     (["recommend", "--users", "1", "--candidates", ""], "--candidates: expected comma-separated item ids, got ''"),
+    # User trial: an unclosed quote was read as an id; a folder as --checkpoint was "no such file"; an existing
+    # file as --out gave the raw OSError.
+    (["recommend", "--users", '"a,b'], "--users: expected comma-separated ids (one holding a comma in double "
+                                        "quotes), got '\"a,b' (a quote is not closed)"),
+    (["recommend", "--users", "1", "--checkpoint", "."], ".: expected a flexhstu checkpoint, a folder: pass the"),
     # Whole option names only: an abbreviation would change meaning once an option with its prefix is added.
     (["train", "--data", "synthetic", "--ep", "1"], "unrecognized arguments: --ep 1"),
     (["show-mask", "sla", "--len", "20"], "the following arguments are required: --lengths"),
@@ -133,3 +138,23 @@ def test_version_prints_the_packages_version(capsys):
 
     assert _status(["--version"]) == 0
     assert capsys.readouterr().out.strip() == f"flexhstu {flexhstu.__version__}" == f"flexhstu {version('flexhstu')}"
+
+
+def test_an_existing_file_as_out_is_named_a_file(tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    assert _status(["train", "--data", "synthetic", "--out", str(tmp_path / "afile"), "--quiet", "--device",
+                    "cpu"]) == 2
+    assert capsys.readouterr().err.strip() == (f"flexhstu train: error: --out: expected a folder, got "
+                                               f"{tmp_path / 'afile'} (a file)")
+
+
+def test_ctrl_c_is_one_line_and_status_130(monkeypatch, capsys):
+    # User trial: Ctrl-C during train printed a traceback from inside torch.
+    from flexhstu import train
+
+    def interrupted(a):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "train", interrupted)
+    assert train.cli(["--data", "synthetic", "--quiet"]) == 130
+    assert capsys.readouterr().err.strip() == "flexhstu train: interrupted"

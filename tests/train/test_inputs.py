@@ -86,7 +86,7 @@ def test_resume_refuses_other_data_behind_the_same_name(tmp_path, monkeypatch):
     argv = TINY[2:] + ["--data", _ratings(tmp_path, 6), "--epochs", "3", "--out", str(tmp_path / "r")]
     train.main(argv + ["--stop-after", "1"])
     _ratings(tmp_path, 7)  # same name, other contents
-    with pytest.raises(UserError, match="--data-rows 30 in the checkpoint, 35 now"):
+    with pytest.raises(UserError, match="events in the data: 30 in the checkpoint, 35 now"):
         train.main(argv + ["--resume"])
 
 
@@ -254,6 +254,6 @@ def test_a_run_trained_on_duplicate_events_is_told_why_it_no_longer_resumes(tmp_
     state["config"].update(data_rows=len(lines) + 2, data_digest=None)
     ckpt = tmp_path / "r" / "checkpoint.pt"
     checkpoint.save({k: v for k, v in state.items() if k not in ("format", "version")}, ckpt)
-    with pytest.raises(UserError, match=rf"--data-rows {len(lines) + 2} in the checkpoint, {len(lines)} now; the "
-                                        "data file holds 2 duplicate events, which this flexhstu drops"):
+    with pytest.raises(UserError, match=rf"events in the data: {len(lines) + 2} in the checkpoint, {len(lines)} now; "
+                                        "the data file holds 2 duplicate events, which this flexhstu drops"):
         train.main(argv + ["--resume"])

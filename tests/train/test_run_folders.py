@@ -148,3 +148,15 @@ def test_metrics_json_holds_null_for_a_metric_that_is_not_a_number(tmp_path):
 
     saved = json.loads((tmp_path / "metrics.json").read_text(), parse_constant=no_constants)
     assert saved["test"] == {"AUC": None, "HR@10": 0.5, "per": [None, 1.0]}
+
+
+def test_the_plot_is_written_atomically(tmp_path, monkeypatch):
+    # User trial: a kill while metrics.png was written left an empty file (savefig wrote in place).
+    from flexhstu import checkpoint
+
+    seen = []
+    real = checkpoint.write_atomic
+    monkeypatch.setattr(checkpoint, "write_atomic", lambda path, write: (seen.append(path.name), real(path, write)))
+    train.plot([{"epoch": 1, "loss": 1.0, "valid HR@10": 0.1, "valid NDCG@10": 0.05}], tmp_path / "metrics.png",
+               "title", 1)
+    assert seen == ["metrics.png"] and (tmp_path / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
