@@ -50,7 +50,7 @@ class Recommender:
     def from_checkpoint(cls, path: str | Path, data: str | None = None, device="cpu") -> Recommender:
         """The best-validation weights of the run of ``path`` (a ``checkpoint.pt``); ``data`` replaces the run's
         ``--data`` path (same contents required)."""
-        from .train import build_model  # train imports the models and the command line; only needed here
+        from .train import SYNTHETIC_DEFAULTS, build_model  # train imports the models and the command line
 
         path = Path(path)
         device = checked_device(device)  # a bad device is not a bad checkpoint
@@ -62,8 +62,8 @@ class Recommender:
                              "version); train the run again")
         source = data or config["data"]
         if source == "synthetic":  # the run's sizes, not load's defaults
-            sizes = {k: config.get(f"synthetic_{k}") or v for k, v in (("users", 300), ("items", 200), ("len", 40))}
-            loaded = synthetic(sizes["users"], sizes["items"], sizes["len"])
+            sizes = [config.get(k) or default for k, default in SYNTHETIC_DEFAULTS.items()]  # users, items, length
+            loaded = synthetic(*sizes)
         else:
             loaded = load(source, columns=config.get("columns"))
         if len(loaded) != config["data_rows"] or loaded.num_items != config["num_items"]:
