@@ -95,6 +95,7 @@ class Recommender:
         return self.histories[str(user)]
 
     def _candidates(self, candidates) -> np.ndarray:
+        candidates = _distinct(candidates)  # a repeated id: one item, scored once (it was listed twice)
         missing = [c for c in candidates if str(c) not in self.item_index]
         if missing:
             raise ValueError(f"--candidates: expected items of the run's data, got '{missing[0]}'")
@@ -105,14 +106,14 @@ class Recommender:
                   include_seen: bool = False) -> list[Recommendation]:
         """Top ``k`` items for each of ``users`` (the data file's ids), among ``candidates`` (ids) if given (a
         ranking model needs them): given candidates are all ranked, seen or not; without them the whole catalogue
-        is, less the items a user has seen unless ``include_seen``."""
+        is, less the items a user has seen unless ``include_seen``. A repeated user or candidate counts once."""
         if not users:
             raise ValueError("--users: expected at least one user id, got none")
         if self.ranking and not candidates:
             raise ValueError("--candidates: expected the items to score (a ranking model scores given candidates), "
                              "got none")
         cand = self._candidates(candidates) if candidates else None
-        return [self._one(user, k, cand, include_seen) for user in users]
+        return [self._one(user, k, cand, include_seen) for user in _distinct(users)]  # a repeated user: one answer
 
     def _one(self, user, k: int, cand: np.ndarray | None, include_seen: bool) -> Recommendation:
         items, times = self._history(user)
@@ -133,6 +134,14 @@ class Recommender:
         row = torch.where(allowed, row.float(), -torch.inf)
         top = torch.topk(row, min(k, int(allowed.sum()))).indices
         return Recommendation(user, [self.item_ids[i - 1] for i in top.tolist()], row[top].numpy())
+
+
+def _distinct(ids: list) -> list:
+    """``ids`` without repeats (compared as text, as the lookups are), in the order first given."""
+    first: dict = {}
+    for x in ids:
+        first.setdefault(str(x), x)
+    return list(first.values())
 
 
 def build_parser() -> Parser:
@@ -181,6 +190,10 @@ def cli(argv=None) -> int:
         for r in answers:
             scores = [f"{s:.4f}" if np.ndim(s) == 0 else "/".join(f"{x:.3f}" for x in s) for s in r.scores]
             print(f"user {r.user}: " + ", ".join(f"{i} ({s})" for i, s in zip(r.items, scores)))
+            if len(r.items) < a.k:  # fewer than --k exist: all are listed, and the user is told
+                pool = "candidates" if candidates else "items" if a.include_seen else "unseen items"
+                print(f"flexhstu recommend: --k {a.k}: user {r.user} has only {len(r.items)} {pool}; all are listed",
+                      file=sys.stderr)
         return 0
 
     return run("flexhstu recommend", command, a.debug)

@@ -78,6 +78,29 @@ def test_the_command_prints_one_line_per_user_and_names_a_wrong_user(csv_run, ca
     assert capsys.readouterr().err.strip().endswith("got 'u2,x'")
 
 
+def test_a_repeated_user_is_answered_once_in_the_order_first_given(csv_run, capsys):
+    # User trial: --users u2,u1,u2 printed user u2's line twice.
+    root, _ = csv_run
+    ckpt = str(root / "run" / "checkpoint.pt")
+    assert main(["recommend", "--checkpoint", ckpt, "--users", "u2,u1,u2", "--k", "3"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split(":")[0] for line in lines] == ["user u2", "user u1"]
+
+
+def test_a_k_beyond_the_users_unseen_items_lists_them_all_and_says_so(csv_run, capsys):
+    # User trial: --k 1000 gave a shorter line than asked, with nothing to say why.
+    root, _ = csv_run
+    ckpt = str(root / "run" / "checkpoint.pt")
+    rec = Recommender.from_checkpoint(ckpt)
+    unseen = len(rec.item_ids) - len(set(rec.histories["u1"][0].tolist()))
+    assert main(["recommend", "--checkpoint", ckpt, "--users", "u1", "--k", "1000"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.count("(") == unseen < 1000
+    assert captured.err == f"flexhstu recommend: --k 1000: user u1 has only {unseen} unseen items; all are listed\n"
+    assert main(["recommend", "--checkpoint", ckpt, "--users", "u1", "--k", "3"]) == 0
+    assert capsys.readouterr().err == ""
+
+
 def test_a_ranking_model_scores_the_given_candidates_per_task(tmp_path):
     train.main(TINY + ["--data", "synthetic", "--task", "ranking", "--model", "onerank", "--out", str(tmp_path)])
     rec = Recommender.from_checkpoint(tmp_path / "checkpoint.pt")
@@ -86,6 +109,8 @@ def test_a_ranking_model_scores_the_given_candidates_per_task(tmp_path):
     everything = rec.recommend([4], k=4, candidates=[5, 9, 12, 30])[0]  # all four, seen or not
     assert sorted(everything.items) == [5, 9, 12, 30]
     assert answer.items == everything.items[:2] and answer.scores[0, 0] >= answer.scores[1, 0]
+    # User trial: a repeated candidate was scored and listed twice.
+    assert rec.recommend([4], k=4, candidates=[5, 9, 5, 12, 30, 9])[0].items == everything.items
     with pytest.raises(ValueError, match="--candidates: expected the items to score"):
         rec.recommend([4])
     with pytest.raises(ValueError, match="--candidates: expected items of the run's data, got '999'"):
