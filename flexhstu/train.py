@@ -814,6 +814,15 @@ def json_safe(x):
     return x
 
 
+def written_metrics(out: Path) -> dict:
+    """The ``metrics.json`` already in ``out``; {} when there is none (or none that reads as one)."""
+    try:
+        written = json.loads((out / "metrics.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return written if isinstance(written, dict) else {}
+
+
 def write(result: dict, history: list[dict], out: Path, rank: int, a: argparse.Namespace) -> dict:
     """metrics.json (and metrics.png when there is a history) in ``out`` on rank 0; returns ``result``."""
     result["history"] = history
@@ -907,6 +916,9 @@ def _train_in(a: argparse.Namespace, out: Path, d: Splits, device, rank: int, wo
             dist.barrier()
     if speed.steps or world > 1:
         result["throughput"] = speed.report(world, device)
+    kept = {} if speed.steps else written_metrics(out)  # nothing trained here (a finished run's outputs written
+    if "throughput" in kept:  # again): the report of the invocation that trained it stays
+        result["throughput"] = kept["throughput"]
     if (rank == 0 or collective) and len(p.history) >= a.epochs:
         result["test_epoch"] = len(p.history)
         if p.best["epoch"] and not a.no_checkpoint:

@@ -48,6 +48,15 @@ def test_resuming_a_finished_run_says_nothing_is_left_to_train(tmp_path, capsys)
     assert capsys.readouterr().err == ""  # --quiet: nothing but errors (user trial: the notes were printed)
 
 
+def test_writing_a_finished_runs_outputs_again_keeps_its_throughput(tmp_path):
+    # Audit: resuming a finished run (nothing left to train) wrote metrics.json again without its "throughput".
+    first = json.loads(json.dumps(train.main(TINY + ["--epochs", "1", "--quiet", "--out", str(tmp_path)])))
+    again = train.main(TINY + ["--epochs", "1", "--quiet", "--out", str(tmp_path), "--resume"])
+    written = json.loads((tmp_path / "metrics.json").read_text())
+    assert first["throughput"]["steps"] > 0 and written["throughput"] == again["throughput"] == first["throughput"]
+    assert written["test"] == first["test"]
+
+
 def test_a_folder_that_holds_a_run_is_refused_without_resume(tmp_path):
     train.main(["--model", "popularity", "--data", "synthetic", "--device", "cpu", "--quiet", "--out", str(tmp_path)])
     with pytest.raises(UserError, match=rf"--out: expected a folder without a run, got {tmp_path} holding "
