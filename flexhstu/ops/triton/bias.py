@@ -45,11 +45,10 @@ output scale). The tile is reduced first, then added atomically into float32 buf
 * time buckets: the tile's total, and for each edge ``k`` in ``b_lo + 1 .. b_hi`` the sum over pairs with
   ``|gap| >= E[k]``; bucket ``b`` receives the difference of consecutive sums (one scalar atomic each);
 * positions, a sum along the tile's diagonals (``_diagonal_sums``): the tile is cut into ``G x G``
-  sub-blocks, two matmuls with constant one-hot matrices give every sub-block's ``2G - 1`` diagonal
-  sums (the first ``G`` and the last ``G - 1``), two more (float32) add them into the block diagonals
-  they fall on, the second set one block diagonal up, so every diagonal of the tile is held once, and
-  its ``X + Y - 1`` sums are added atomically (191 atomics for a 128 x 64 tile, 95 for 32 x 64,
-  against 8192 or 2048 for one atomic per pair). The one-hot products are exact: half-precision dS is
+  sub-blocks, one matmul with a constant one-hot matrix gives every sub-block's ``2G - 1`` diagonal
+  sums, a second (float32) matmul adds the sub-blocks that lie on the same block diagonal, and the
+  ``(NX + NY - 1) x (2G - 1)`` results are added atomically (about 340 atomics for a 128 x 64 tile,
+  against 8192 for one atomic per pair). The one-hot products are exact: half-precision dS is
   multiplied exactly with fp32 accumulation, float32 dS uses 3xTF32 (or IEEE dots when TF32 is off).
 """
 
@@ -432,31 +431,29 @@ def add_bias(s, bias, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, TRANS:
 def _diagonal_sums(x, G: tl.constexpr, TRANS: tl.constexpr, PRECISION: tl.constexpr):
     """Sums of the tile ``x`` along its diagonals ``d = key - row`` (``x`` is ``(keys, rows)`` when TRANS, else
     ``(rows, keys)``), as a float32 ``(UP, NP)`` matrix: entry ``[u, e]`` holds diagonal
-    ``d = G (u - U0) + e - (G - 1)`` for ``u <= NX + NY - 1`` and ``e < G`` (else 0), ``U0 = NY - 1``
-    (TRANS) or ``NX - 1``, ``NX, NY`` the sub-blocks along the two axes: every diagonal once."""
+    ``d = G (u - U0) + e - (G - 1)`` for ``u < NX + NY - 1`` and ``e < 2G - 1`` (else 0), ``U0 = NY - 1``
+    (TRANS) or ``NX - 1``, ``NX, NY`` the sub-blocks along the two axes."""
     X: tl.constexpr = x.shape[0]
     Y: tl.constexpr = x.shape[1]
     NX: tl.constexpr = X // G
     NY: tl.constexpr = Y // G
     NBLK: tl.constexpr = NX * NY
-    NP: tl.constexpr = G if G >= 16 else 16
-    NU: tl.constexpr = NX + NY
+    NP: tl.constexpr = 2 * G if 2 * G >= 16 else 16
+    NU: tl.constexpr = NX + NY - 1
     UP: tl.constexpr = 16 if NU <= 16 else (32 if NU <= 32 else (64 if NU <= 64 else 128))
     # Sub-block (e, a) as one row of NBLK x G^2: row e * NY + a, column f * G + b (f, b: offsets in the block).
     xb = tl.reshape(tl.permute(tl.reshape(x, (NX, G, NY, G)), (0, 2, 1, 3)), (NBLK, G * G))
     kk = tl.arange(0, G * G)
-    fine = (kk // G - kk % G if TRANS else kk % G - kk // G) + (G - 1)  # key - row inside the block, + G - 1
+    fine = kk // G - kk % G if TRANS else kk % G - kk // G  # key - row inside the block
     ee = tl.arange(0, NP)
-    # A sub-block's diagonal fine < G lands on its own block diagonal u, fine >= G on u + 1 (at fine - G).
-    z_lo = tl.dot(xb, tl.where(fine[:, None] == ee[None, :], 1.0, 0.0).to(x.dtype), input_precision=PRECISION)
-    z_hi = tl.dot(xb, tl.where(fine[:, None] == ee[None, :] + G, 1.0, 0.0).to(x.dtype), input_precision=PRECISION)
+    onehot = tl.where(fine[:, None] + (G - 1) == ee[None, :], 1.0, 0.0).to(x.dtype)
+    z = tl.dot(xb, onehot, input_precision=PRECISION)  # (NBLK, NP): each sub-block's diagonal sums
     blk = tl.arange(0, NBLK)
     # The block diagonal of sub-block (e, a) (key block - row block), shifted to >= 0.
     u = blk // NY - blk % NY + (NY - 1) if TRANS else blk % NY - blk // NY + (NX - 1)
     uu = tl.arange(0, UP)
-    own = tl.where(uu[:, None] == u[None, :], 1.0, 0.0)
-    nxt = tl.where(uu[:, None] == u[None, :] + 1, 1.0, 0.0)
-    return tl.dot(own, z_lo, input_precision="ieee") + tl.dot(nxt, z_hi, input_precision="ieee")
+    gather = tl.where(uu[:, None] == u[None, :], 1.0, 0.0)
+    return tl.dot(gather, z, input_precision="ieee")  # (UP, NP), float32 throughout
 
 
 @triton.jit
@@ -520,13 +517,11 @@ def bias_grad(bias, h, seq_start, L, ds, rows, cols, ai, bi, d, b_lo, b_hi, scal
         diag = _diagonal_sums(g, G, TRANS, PRECISION)
     else:
         diag = _diagonal_sums(ds, G, TRANS, "tf32") * scale
-    NU: tl.constexpr = X // G + Y // G
+    NU: tl.constexpr = X // G + Y // G - 1
     U0: tl.constexpr = Y // G - 1 if TRANS else X // G - 1
     uu = tl.arange(0, diag.shape[0])
     ee = tl.arange(0, diag.shape[1])
     d = G * (uu[:, None] - U0) + ee[None, :] - (G - 1)
     origin = tl.min(cols, axis=0) - tl.min(rows, axis=0)  # key - row at the tile's first row and key
     dpos = bias.dpos + h * bias.pos_stride_h + bias.pos_center + origin
-    # The first row's first entries and the last row's last lie outside the tile: zeros, masked too.
-    d_in = (d >= -(Y - 1 if TRANS else X - 1)) & (d <= (X - 1 if TRANS else Y - 1))
-    tl.atomic_add(dpos + d, diag, mask=(uu[:, None] < NU) & (ee[None, :] < G) & d_in, sem="relaxed")
+    tl.atomic_add(dpos + d, diag, mask=(uu[:, None] < NU) & (ee[None, :] < 2 * G - 1), sem="relaxed")
