@@ -7,6 +7,8 @@
 #   bench    the attention suite of benchmarks/RESULTS.md (flexhstu bench --suite)
 #   graphs   which STU configurations capture in a CUDA graph (benchmarks/graph_check.py, a process each)
 #   bias     the relative attention bias in the kernels vs the same kernels without it (benchmarks/bench_bias.py)
+#   bias-ablate  where the bias's time goes: the bias with one part of its work taken out at a time
+#            (benchmarks/bias_ablations.py, causal; ABLATE_ONLY=causal,sla for both)
 #   stu      the STU model step (flexhstu/bench_stu.py --suite), step time and peak memory
 #   serving  cached delta scoring vs full recompute (flexhstu/bench_serving.py --quick)
 #   aoti-probe  which small AOTInductor packages compile, load and run (benchmarks/aoti_probe.py, a process each)
@@ -54,6 +56,8 @@ for s in $stages; do
     bench) run bench 330 python3 benchmarks/bench.py --json "$OUT/bench.json" ;;
     graphs) run graphs 200 python3 benchmarks/graph_check.py ;;
     bias) run bias 240 python3 benchmarks/bench_bias.py --kernels --json "$OUT/bias.json" ${BIAS_ARGS:-} ;;
+    bias-ablate) run bias-ablate 480 python3 benchmarks/bias_ablations.py --only "${ABLATE_ONLY:-causal}" \
+                   --out "$OUT/bias-ablations" ;;
     aoti-probe) run aoti-probe 420 python3 benchmarks/aoti_probe.py --log-dir "$OUT/aoti-probe" ;;
     stu) run stu 220 python3 -m flexhstu.bench_stu --suite --dropout 0 --variants eager lean default \
            --json "$OUT/stu.json" ;;
