@@ -914,11 +914,12 @@ def _train_in(a: argparse.Namespace, out: Path, d: Splits, device, rank: int, wo
                 print(json.dumps(record))
         if world > 1:
             dist.barrier()
-    if speed.steps or world > 1:
+    if speed.steps:
         result["throughput"] = speed.report(world, device)
-    kept = {} if speed.steps else written_metrics(out)  # nothing trained here (a finished run's outputs written
-    if "throughput" in kept:  # again): the report of the invocation that trained it stays
-        result["throughput"] = kept["throughput"]
+    elif "throughput" in (kept := written_metrics(out)):  # nothing trained here (a finished run's outputs
+        result["throughput"] = kept["throughput"]  # written again): the report of the run that trained it stays
+    elif world > 1:
+        result["throughput"] = speed.report(world, device)
     if (rank == 0 or collective) and len(p.history) >= a.epochs:
         result["test_epoch"] = len(p.history)
         if p.best["epoch"] and not a.no_checkpoint:
