@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._errors import bad_type, bad_value
+from .._errors import as_finite, as_int, bad_type, bad_value
 from ..ops import AttnPlan, Kernel, build_plan, hstu_mha
 from .bias import RelativeTimePositionBias
 from .stu_lean import EAGER, GatedOutput, NormLinear, compiled_bodies, dropout_keep, gate
@@ -52,8 +52,13 @@ class STULayerConfig:
             val = getattr(self, name)
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
                 raise bad_value(name, "a positive int", val)
-        if not (0.0 <= float(self.dropout) < 1.0):
+        self.dropout = as_finite("dropout", self.dropout)  # a string passed float() here, then broke forward
+        if not 0.0 <= self.dropout < 1.0:
             raise bad_value("dropout", "a probability in [0, 1)", self.dropout)
+        try:
+            self.kernel = Kernel(self.kernel)
+        except ValueError:
+            raise bad_value("kernel", f"one of {[k.value for k in Kernel]}", repr(self.kernel)) from None
         if not isinstance(self.recompute, bool):
             raise bad_type("recompute", "a bool", type(self.recompute).__name__)
         if self.compile is not None and not isinstance(self.compile, bool):
@@ -182,7 +187,8 @@ class STUStack(nn.Module):
 
     def __init__(self, cfg: STULayerConfig, num_layers: int):
         super().__init__()
-        self.layers = nn.ModuleList(STULayer(cfg) for _ in range(num_layers))
+        # 0 layers: the final norm alone (kept on purpose); a negative count built that too, with no error
+        self.layers = nn.ModuleList(STULayer(cfg) for _ in range(as_int("num_layers", num_layers)))
         self.norm = nn.LayerNorm(cfg.embedding_dim)
 
     def forward(self, x: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int,

@@ -97,6 +97,9 @@ def test_default_compiles_for_cuda_inputs_only():
     ("embedding_dim", 0, "embedding_dim: expected a positive int, got 0"),
     ("recompute", "yes", "recompute: expected a bool, got str"),
     ("compile", "auto", "compile: expected None (compile on CUDA only) or a bool, got str"),
+    # Audit: a string passed float() here, then broke the first forward; an unknown kernel failed only there too.
+    ("dropout", "0.1", "dropout: expected a real number, got str"),
+    ("kernel", "bogus", "kernel: expected one of ['auto', 'pytorch', 'triton', 'cutlass'], got 'bogus'"),
 ])
 def test_bad_config_names_the_field(field, value, words):
     with pytest.raises((ValueError, TypeError)) as err:
@@ -190,3 +193,13 @@ def test_lean_layer_on_the_triton_kernel_gives_the_plain_reference_layer():
     plain = _step(_stack(0.0, num_layers=1, kernel=Kernel.PYTORCH, recompute=False, compile=False), attn_func=func)
     lean = _step(_stack(0.0, num_layers=1, kernel=Kernel.TRITON, recompute=True, compile=False), attn_func=func)
     _assert_same_step(lean, plain, rtol=1e-4)
+
+
+@pytest.mark.parametrize("num_layers, err, words", [
+    (-3, ValueError, "num_layers: expected a non-negative int, got -3"),  # audit: built a stack of the norm alone
+    (2.0, TypeError, "num_layers: expected a non-negative int, got float"),
+])
+def test_a_layer_count_that_is_not_a_count_is_named(num_layers, err, words):
+    with pytest.raises(err) as e:
+        STUStack(STULayerConfig(embedding_dim=DIM), num_layers)
+    assert str(e.value) == words
