@@ -37,13 +37,16 @@ class Parser(argparse.ArgumentParser):
 
 
 @contextmanager
-def user_input(arg: str | None = None) -> Iterator[None]:
+def user_input(arg: str | None = None, lib_arg: str | None = None) -> Iterator[None]:
     """Marks a validation step: its ValueError, TypeError and OSError are the user's mistake. ``arg`` names the
-    argument the step reads, for errors (such as a file that cannot be written) that do not name it."""
+    argument the step reads, for errors (such as a file that cannot be written) that do not name it;
+    ``lib_arg``: the library's name for it, replaced by ``arg`` where an error starts with it."""
     try:
         yield
     except (ValueError, TypeError, OSError) as e:
         text = f"{e.strerror}: '{e.filename}'" if isinstance(e, OSError) and e.strerror else str(e)
+        if arg and lib_arg and text.startswith(f"{lib_arg}:"):
+            text = arg + text[len(lib_arg):]
         named = arg and not text.startswith(f"{arg}:")  # a message that names the argument already keeps its form
         raise UserError(f"{arg}: {text}" if named else text) from e
 

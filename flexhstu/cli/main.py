@@ -56,7 +56,7 @@ def cmd_show_mask(args: argparse.Namespace) -> int:
     offs = offsets_from_lengths(lengths)
     with user_input():  # the builders check the mask arguments against the lengths
         func = build_mask(args.mask, offs, args)
-    with user_input("--output"):
+    with user_input("--output", lib_arg="path"):
         path = picture.render(func, offs, max(lengths + [1]), args.output,
                               title=f"{args.mask} (NFUNC {func.shape[1]})")
     print(f"wrote {path}: {args.mask}, NFUNC {func.shape[1]}, lengths {lengths}")

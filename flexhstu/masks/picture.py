@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 from PIL import Image, ImageDraw
 
@@ -26,6 +28,10 @@ def render(
     from .format import to_dense
 
     head = as_int("head", head)
+    cell = as_int("cell", cell)
+    suffix = os.path.splitext(str(path))[1].lower()
+    if suffix not in Image.registered_extensions():
+        raise bad_value("path", "a file name ending in an image extension such as .png", repr(str(path)))
     if isinstance(func, torch.Tensor) and func.dim() == 3 and func.shape[0] > 1 and head >= func.shape[0]:
         raise bad_value("head", f"a head of the func, 0 to {func.shape[0] - 1}", head)  # Hf = 1: every head's
     dense = to_dense(func, seq_offsets, max_seq_len)[:, min(head, func.shape[0] - 1)].cpu()
@@ -43,7 +49,8 @@ def render(
     for b, L in enumerate(lengths):
         x0 = margin + b * (side + gap)
         y0 = top + 14
-        block = dense[b, :n, :n]
+        block = torch.zeros(n, n, dtype=torch.bool)  # n > max_seq_len when that is 0
+        block[:dense.shape[-2], :dense.shape[-1]] = dense[b, :n, :n]
         rgb = torch.empty(n, n, 3, dtype=torch.uint8)
         inside = torch.zeros(n, n, dtype=torch.bool)
         inside[:L, :L] = True

@@ -207,3 +207,22 @@ def test_numpy_ints_and_bools_are_accepted_where_python_ones_are():
             masks.widen(f, bad)
     with pytest.raises(TypeError, match=r"sparse: expected None or a bool \(Python or NumPy\), got str"):
         flexhstu.build_plan(offs, total=8, max_seq_len=5, sparse="yes")
+
+
+def test_the_picture_draws_empty_batches_and_names_cell_and_path(tmp_path):
+    # Audit: max_seq_len 0 raised an IndexError from a shape mismatch, a negative or fractional cell PIL's or
+    # range's errors, a path without an image extension PIL's "unknown file extension".
+    import torch
+
+    from flexhstu.masks import picture
+
+    empty, offs = torch.zeros(1, 1, 0, dtype=torch.int32), torch.tensor([0, 0])
+    out = str(tmp_path / "empty.png")
+    assert picture.render(empty, offs, 0, out) == out and (tmp_path / "empty.png").stat().st_size > 0
+    with pytest.raises(ValueError, match=r"^cell: expected a non-negative int, got -2$"):
+        picture.render(empty, offs, 0, out, cell=-2)
+    with pytest.raises(TypeError, match=r"^cell: expected a non-negative int, got float$"):
+        picture.render(empty, offs, 0, out, cell=2.5)
+    with pytest.raises(ValueError, match=r"^path: expected a file name ending in an image extension such as \.png, "
+                                         r"got '.*mask'$"):
+        picture.render(empty, offs, 0, str(tmp_path / "mask"))
