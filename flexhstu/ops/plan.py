@@ -173,7 +173,7 @@ def build_plan(seq_offsets: torch.Tensor, *, total: int, max_seq_len: int, attn_
         for name, value in fixed_args.items():
             if value is not defaults[name] and value != defaults[name]:
                 raise bad_value(name, f"its default ({defaults[name]}) when attn_func is given", value)
-        check_func_meta(attn_func)
+        check_func_meta(attn_func, arg="attn_func")
         if attn_func.shape[2] != total or attn_func.device != seq_offsets.device:
             raise bad_value("attn_func", f"(Hf, NFUNC, {total}) on {seq_offsets.device}",
                             f"{tuple(attn_func.shape)} on {attn_func.device}")

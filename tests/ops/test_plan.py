@@ -157,6 +157,13 @@ def test_build_plan_refuses_fixed_rule_arguments_beside_a_func():
         build_plan(offs, total=sum(LENGTHS), max_seq_len=70, attn_func=masks.sla(offs, 20, 4), max_attn_len=4)
 
 
+def test_build_plan_names_attn_func_in_a_dtype_error():
+    # Audit: a float func was refused as "func: expected dtype torch.int32", an argument build_plan does not have.
+    offs = offsets_from(LENGTHS).to(DEVICE)
+    with pytest.raises(TypeError, match=r"^attn_func: expected dtype torch.int32, got torch.float32$"):
+        build_plan(offs, total=sum(LENGTHS), max_seq_len=70, attn_func=masks.causal(offs).float())
+
+
 def test_build_plan_refuses_a_func_of_another_total():
     offs = offsets_from(LENGTHS).to(DEVICE)
     func = masks.causal(offsets_from([*LENGTHS, 3]).to(DEVICE))
