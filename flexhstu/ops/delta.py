@@ -102,7 +102,8 @@ def delta_hstu_mha(
     if (q_offsets is None) != (q_start is None):
         given, missing = ("q_offsets", "q_start") if q_start is None else ("q_start", "q_offsets")
         raise bad_value(missing, f"a tensor next to {given} (give both, or neither for the last rows)", None)
-    if q_offsets is None:
+    last_rows = q_offsets is None
+    if last_rows:
         if batch == 0 and delta_q.shape[0]:
             raise bad_value("delta_q.shape[0]", "0 (seq_offsets holds no sequence)", delta_q.shape[0])
         if batch and delta_q.shape[0] % batch:
@@ -120,7 +121,7 @@ def delta_hstu_mha(
         _check_func_alone(attn_func, rule, delta_q)
     if can_read_values(seq_offsets):
         _check_values_on_host(seq_offsets, q_offsets, q_start, k.shape[0], delta_q.shape[0], max_seq_len, num_targets,
-                              kv_lengths)
+                              kv_lengths, last_rows)
     elif torch.compiler.is_compiling() and not torch.compiler.is_exporting():
         # Not in exported programs: AOTInductor runs the graph's kernels on generated inputs while it compiles for
         # CUDA, and these assertions fired on them (H200, 2026-12-03). The exported serving scorer builds its
@@ -177,7 +178,7 @@ def _check_query_layout(q_offsets: torch.Tensor, q_start: torch.Tensor, batch: i
 
 
 def _check_values_on_host(seq_offsets, q_offsets, q_start, total_kv: int, total_q: int, max_seq_len: int,
-                          num_targets, kv_lengths=None) -> None:
+                          num_targets, kv_lengths=None, last_rows: bool = False) -> None:
     check_offsets_values(seq_offsets, total=total_kv)
     check_offsets_values(q_offsets, "q_offsets", total=total_q)
     if kv_lengths is not None:  # the used rows of each slot: from here on the sequences are those
@@ -194,6 +195,10 @@ def _check_values_on_host(seq_offsets, q_offsets, q_start, total_kv: int, total_
     bad = (start < 0) | (start + nq > length)
     if bool(bad.any()):
         b = int(torch.nonzero(bad)[0, 0])
+        if last_rows:  # q_start was derived: the caller gave delta_q alone
+            raise bad_value("delta_q.shape[0]", f"at most B * (the shortest sequence's rows) = {len(length)} * "
+                            f"{int(length.min())} (the last delta_q.shape[0] / B rows of every sequence; sequence {b} "
+                            f"has {int(length[b])})", total_q)
         expected = f"0 <= q_start <= L - (query rows) = {int(length[b])} - {int(nq[b])} in sequence {b}"
         raise bad_value(f"q_start[{b}]", expected, int(start[b]))
     if num_targets is not None:
