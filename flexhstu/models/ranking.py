@@ -18,6 +18,7 @@ from .. import masks, serving
 from .._errors import bad_value
 from ..masks.rules import FixedRule
 from ..nn import OneRankHead, OneRankTokenizer, STUStack
+from ..nn.encoding import check_item_ids
 from ..ops import Kernel
 from ..ops.capability import triton_unsupported_reason
 from ..serving import HistoryCache, JaggedHistory
@@ -142,6 +143,7 @@ class OneRankModel(nn.Module):
         a cache fixes it (``HistoryCache.max_seq_len``), and this forward with the same value is the full
         recompute that ``score_cached`` equals."""
         hist = self.encoder(hist_items, hist_times, hist_offsets)
+        check_item_ids(cand_items, self.encoder.items, "cand_items")
         cand = self.encoder.items(cand_items)
         b = self.tokenizer(self.dropout(hist), hist_offsets, cand, cand_offsets)
         n = b.max_seq_len if max_seq_len is None else max_seq_len
@@ -195,7 +197,17 @@ class OneRankModel(nn.Module):
             cuda_graphs = (cand_items.is_cuda and len(batches) >= 3 and widest <= serving.GRAPH_MAX_ROWS
                            and self._no_graph_reason(cand_items.device) is None)
         # Room after each history for a micro-batch's rows: the histories are laid out once per request.
-        history = cache.gather(users, room=self.group_size * max((max(mb.counts) for mb in batches), default=0))
+        room = self.group_size * max((max(mb.counts) for mb in batches), default=0)
+        history = cache.gather(users, room=room)
+        # Host ints: a history and one micro-batch's rows over the cache's bound, named here (the delta call
+        # would name a max_seq_len the caller never gave).
+        for b, length in enumerate(history.lengths):
+            n = max((mb.counts[b] for mb in batches), default=0)
+            if length + self.group_size * n > cache.max_seq_len:
+                fits = max((cache.max_seq_len - length) // self.group_size, 0)
+                raise bad_value("micro_batch", f"at most {fits} candidates of user {users[b]!r} at a time (its "
+                                f"history of {length} rows and {self.group_size} rows per candidate within the "
+                                f"cache's max_seq_len {cache.max_seq_len})", f"{micro_batch} ({n} at once)")
         graphs = serving.MicroBatchGraphs(self, history, cache.max_seq_len) if cuda_graphs else None
         scores = self.head.bias.new_zeros(cand_items.shape[0], len(TASKS))
         for mb in batches:
@@ -223,6 +235,7 @@ class OneRankModel(nn.Module):
         Sync-free when ``counts`` is a device tensor (the exported program takes it so)."""
         g = self.group_size
         counts = torch.as_tensor(counts, dtype=torch.int64, device=cand_items.device)
+        check_item_ids(cand_items, self.encoder.items, "cand_items")
         cand = self.encoder.items(cand_items)
         groups = torch.cat([cand[:, None], self.tokenizer.tasks.expand(cand.shape[0], g - 1, -1)], dim=1)
         new_offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)]) * g

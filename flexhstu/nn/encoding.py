@@ -5,8 +5,24 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._errors import bad_value
-from ..jagged import row_coords
+from .._errors import bad_type, bad_value
+from ..jagged import can_read_values, row_coords
+
+
+def check_item_ids(ids: object, table: nn.Module, arg: str = "item_ids") -> None:
+    """``ids`` must be an integer tensor, and (where values can be read without a sync: CPU tensors) hold rows
+    of ``table`` (an ``nn.Embedding``; 0 is padding): a raw ``index out of range in self`` or a dtype error
+    from the embedding otherwise. On CUDA the embedding's own device assert stays the check."""
+    if not isinstance(ids, torch.Tensor):
+        raise bad_type(arg, "an integer tensor of item ids", type(ids).__name__)
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise bad_type(arg, "an int64 or int32 tensor of item ids", ids.dtype)
+    rows = getattr(table, "num_embeddings", None)
+    if rows is not None and ids.numel() and can_read_values(ids):
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= rows:
+            raise bad_value(arg, f"item ids from 1 to num_items = {rows - 1} (0: padding)",
+                            lo if lo < 0 else hi)
 
 
 def time_gap_buckets(timestamps: torch.Tensor, seq_offsets: torch.Tensor, num_buckets: int) -> torch.Tensor:
@@ -33,6 +49,7 @@ class InputEncoder(nn.Module):
         nn.init.normal_(self.gaps.weight, std=0.02)
 
     def forward(self, item_ids: torch.Tensor, timestamps: torch.Tensor, seq_offsets: torch.Tensor) -> torch.Tensor:
+        check_item_ids(item_ids, self.items)
         if timestamps.shape != item_ids.shape:
             raise bad_value("timestamps", f"one time per item, shape {tuple(item_ids.shape)}",
                             f"shape {tuple(timestamps.shape)}")

@@ -143,6 +143,24 @@ def test_cache_errors_name_the_user_and_the_bound():
     assert "b" not in cache and len(cache) == 3
     with pytest.raises(KeyError, match=r"user: expected a cached user .*got 'b'"):
         model.score_cached(cache, ["a", "b"], cands[:5], offsets_from([3, 2]))
+    # Audit: a history and a micro-batch over the cache's bound were reported as a "max_seq_len" the caller never
+    # gave. User "a" has 5 history rows; 6 candidates of group_size rows each do not fit the bound 16.
+    small = HistoryCache(1, 16)
+    model.cache_histories(small, ["a"], hist[:5], times[:5], offsets_from([5]))
+    g = model.group_size
+    with pytest.raises(ValueError, match=rf"micro_batch: expected at most {(16 - 5) // g} candidates of user 'a' at "
+                                         rf"a time \(its history of 5 rows and {g} rows per candidate within the "
+                                         rf"cache's max_seq_len 16\), got None \(6 at once\)"):
+        model.score_cached(small, ["a"], cands[:6], offsets_from([6]))
+    with pytest.raises(ValueError, match=r"cand_items: expected item ids from 1 to num_items = 50 \(0: padding\), "
+                                         r"got 51"):
+        model.score_cached(cache, ["a"], torch.tensor([3, 51]), offsets_from([2]))
+    with pytest.raises(ValueError, match=r"item_ids: expected item ids from 1 to num_items = 50 \(0: padding\), "
+                                         r"got -1"):
+        model.cache_histories(cache, ["e"], torch.tensor([4, -1]), times[:2], offsets_from([2]))
+    with pytest.raises(TypeError, match=r"cand_items: expected an int64 or int32 tensor of item ids, "
+                                        r"got torch.float32"):
+        model.score_cached(cache, ["a"], torch.tensor([3.0, 4.0]), offsets_from([2]))
     model.train()
     with pytest.raises(RuntimeError, match=r"OneRankModel: expected eval mode"):
         model.score_cached(cache, ["a"], cands[:3], offsets_from([3]))
