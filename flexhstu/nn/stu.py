@@ -176,6 +176,11 @@ def _compiled_body(backend: str):
     return torch.compile(_run_body, backend=backend)
 
 
+MASK_ARGS = frozenset({"attn_func", "num_targets", "causal", "max_attn_len", "contextual_seq_len",
+                       "min_full_attn_seq_len"})
+"""The mask arguments ``STUStack.forward`` passes to ``build_plan`` and to every layer's ``hstu_mha``."""
+
+
 class STUStack(nn.Module):
     """``num_layers`` STU layers run on one mask and one block plan, both made once per batch, then a final
     layer norm.
@@ -195,6 +200,13 @@ class STUStack(nn.Module):
                 timestamps: torch.Tensor | None = None, *, attn_plan: AttnPlan | None = None,
                 sparse: bool | None = None, **mask_kwargs) -> torch.Tensor:
         check_rows(x, self.norm.normalized_shape[0])  # dtype and device in each layer (FSDP casts per layer)
+        unknown = sorted(set(mask_kwargs) - MASK_ARGS)
+        if unknown:  # else build_plan's own TypeError, naming a function the caller never called
+            raise bad_type(unknown[0], f"one of STUStack.forward's mask arguments {sorted(MASK_ARGS)}", "an unknown "
+                           "keyword")
+        if attn_plan is not None and sparse is not None:
+            raise bad_value("sparse", "None when attn_plan is given (the plan's tiles are chosen when it is built)",
+                            sparse)
         if attn_plan is None:
             attn_plan = build_plan(seq_offsets, total=x.shape[0], max_seq_len=max_seq_len, sparse=sparse,
                                    **mask_kwargs)

@@ -10,7 +10,7 @@ import torch
 from rules import offsets_from
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from flexhstu import Kernel, masks
+from flexhstu import Kernel, build_plan, masks
 from flexhstu.nn import STULayer, STULayerConfig, STUStack
 from flexhstu.nn.stu_lean import dropout_keep, gate
 
@@ -203,3 +203,16 @@ def test_a_layer_count_that_is_not_a_count_is_named(num_layers, err, words):
     with pytest.raises(err) as e:
         STUStack(STULayerConfig(embedding_dim=DIM), num_layers)
     assert str(e.value) == words
+
+
+def test_the_stack_names_an_unknown_mask_argument_and_sparse_next_to_a_plan():
+    # Audit: rab= raised build_plan's "unexpected keyword argument" (a function the caller never called), and
+    # sparse= next to attn_plan= was ignored without a word.
+    stack, offs = _stack(0.0, num_layers=1), offsets_from(LENGTHS)
+    x = torch.randn(sum(LENGTHS), DIM)
+    with pytest.raises(TypeError, match=r"^rab: expected one of STUStack.forward's mask arguments \['attn_func', "):
+        stack(x, offs, 64, rab=torch.zeros(1))
+    plan = build_plan(offs, total=x.shape[0], max_seq_len=64)
+    with pytest.raises(ValueError, match=r"^sparse: expected None when attn_plan is given"):
+        stack(x, offs, 64, attn_plan=plan, sparse=True)
+    torch.testing.assert_close(stack(x, offs, 64, attn_plan=plan), stack(x, offs, 64))
