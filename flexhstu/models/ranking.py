@@ -146,13 +146,19 @@ class OneRankModel(nn.Module):
         check_item_ids(cand_items, self.encoder.items, "cand_items")
         cand = self.encoder.items(cand_items)
         b = self.tokenizer(self.dropout(hist), hist_offsets, cand, cand_offsets)
-        n = b.max_seq_len if max_seq_len is None else max_seq_len
+        n, scale = max_seq_len, None
+        if n is None and b.max_seq_len is not None:
+            n = b.max_seq_len
+        elif n is None:
+            # Under torch.compile the longest sequence stays on the device: the attention multiplies by its
+            # reciprocal (the same output scale) and gets the row count as its length bound.
+            n, scale = b.x.shape[0], 1.0 / b.longest.to(torch.float32).clamp_min(1.0)
         if self.task_tokens:
             func = masks.onerank(b.seq_offsets, b.num_targets, self.tokenizer.group_size, total=b.x.shape[0])
-            out = self.stack(b.x, b.seq_offsets, n, attn_func=func)
+            out = self.stack(b.x, b.seq_offsets, n, attn_func=func, attn_scale=scale)
             z = out[b.task_rows]
         else:
-            out = self.stack(b.x, b.seq_offsets, n, num_targets=b.num_targets)
+            out = self.stack(b.x, b.seq_offsets, n, num_targets=b.num_targets, attn_scale=scale)
             z = out[b.candidate_rows][:, None, :].expand(-1, len(TASKS), -1)
         return self.head(z)
 

@@ -89,22 +89,31 @@ class _Retrieval(nn.Module):
     def item_table(self) -> torch.Tensor:
         return F.normalize(self.encoder.items.weight, dim=-1)
 
-    def forward(self, batch: SeqBatch, num_negatives: int, generator: torch.Generator) -> torch.Tensor:
-        """Sampled softmax over the target and ``num_negatives`` uniform negatives shared by the batch.
+    def sample_negatives(self, num_negatives: int, generator: torch.Generator) -> torch.Tensor:
+        """``(num_negatives,)`` item ids drawn uniformly from ``generator`` (on its device)."""
+        return torch.randint(1, self.encoder.items.weight.shape[0], (num_negatives,), generator=generator)
+
+    def forward(self, batch: SeqBatch, num_negatives: int = 0, generator: torch.Generator | None = None, *,
+                negatives: torch.Tensor | None = None) -> torch.Tensor:
+        """Sampled softmax over the target and ``num_negatives`` uniform negatives shared by the batch, drawn from
+        ``generator``; or over the given ``negatives (K,)`` item ids (``sample_negatives``): a generator cannot
+        be traced, so a model compiled whole draws its negatives outside.
 
         Only the rows of the targets and the negatives are read (one lookup through the item table module), so a
         table sharded across ranks is never gathered whole."""
         h = F.normalize(self.states(batch), dim=-1)
-        keep = batch.targets > 0
-        h, tgt = h[keep], batch.targets[keep]
-        num_rows = self.encoder.items.weight.shape[0]
-        neg = torch.randint(1, num_rows, (num_negatives,), generator=generator).to(h.device)
+        # Rows without a target (0) are weighted out rather than dropped: no data-dependent shape, so the model
+        # compiles whole; the mean is over the rows with a target, as before.
+        tgt = batch.targets
+        keep = (tgt > 0).to(h.dtype)
+        neg = (self.sample_negatives(num_negatives, generator) if negatives is None else negatives).to(h.device)
         rows = F.normalize(self.encoder.items(torch.cat([tgt, neg])), dim=-1)
         pos_logit = (h * rows[:len(tgt)]).sum(-1, keepdim=True)
         neg_logit = h @ rows[len(tgt):].T
         neg_logit = neg_logit.masked_fill(neg[None, :] == tgt[:, None], float("-inf"))  # accidental hits
         logits = torch.cat([pos_logit, neg_logit], dim=1) / self.temperature
-        return F.cross_entropy(logits, torch.zeros(len(tgt), dtype=torch.long, device=h.device))
+        losses = F.cross_entropy(logits, torch.zeros(len(tgt), dtype=torch.long, device=h.device), reduction="none")
+        return (losses * keep).sum() / keep.sum()
 
     @torch.no_grad()
     def scores(self, batch: SeqBatch) -> torch.Tensor:

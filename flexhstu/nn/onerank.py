@@ -21,7 +21,8 @@ class OneRankBatch:
     num_targets: torch.Tensor  # (B,) = N_b * (K + 1)
     candidate_rows: torch.Tensor  # (C,) row of each candidate token
     task_rows: torch.Tensor  # (C, K) rows of its task tokens
-    max_seq_len: int
+    max_seq_len: int | None  # the longest sequence, read on the host; None under torch.compile (see longest)
+    longest: torch.Tensor  # () int64: the longest sequence, on the device (0 for an empty batch)
 
 
 class OneRankTokenizer(nn.Module):
@@ -69,8 +70,11 @@ class OneRankTokenizer(nn.Module):
         tasks = self.tasks.expand(candidates.shape[0], k, -1).reshape(-1, history.shape[1])
         x = x.index_put((task_rows.reshape(-1),), tasks)
         lengths = offsets[1:] - offsets[:-1]
-        max_len = int(lengths.max()) if lengths.numel() else 0
-        return OneRankBatch(x, offsets, n_cand * g, cand_rows, task_rows, max_len)
+        longest = lengths.max() if lengths.numel() else offsets.new_zeros(())
+        # Reading it on the host is a sync, and a graph break under torch.compile: there the model scales by the
+        # device value instead (OneRankModel.forward).
+        max_len = None if torch.compiler.is_compiling() else int(longest)
+        return OneRankBatch(x, offsets, n_cand * g, cand_rows, task_rows, max_len, longest)
 
 
 class OneRankHead(nn.Module):

@@ -186,6 +186,8 @@ class STUStack(nn.Module):
     layer norm.
 
     ``timestamps (total,)`` reach every layer; those with ``cfg.rel_bias`` need them, the others ignore them.
+    ``attn_scale``: None, or a floating ``()`` or ``(total,)`` tensor that every layer's attention multiplies
+    by instead of dividing by ``max_seq_len`` (``hstu_mha``'s); ``max_seq_len`` is then a length bound only.
     ``attn_plan``: the batch's ``flexhstu.build_plan`` for this mask, or None to build it here (``sparse``
     passed on: True for windows and SLA-like funcs); every layer's attention, forward and backward, uses it.
     """
@@ -198,7 +200,7 @@ class STUStack(nn.Module):
 
     def forward(self, x: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int,
                 timestamps: torch.Tensor | None = None, *, attn_plan: AttnPlan | None = None,
-                sparse: bool | None = None, **mask_kwargs) -> torch.Tensor:
+                sparse: bool | None = None, attn_scale: torch.Tensor | None = None, **mask_kwargs) -> torch.Tensor:
         check_rows(x, self.norm.normalized_shape[0])  # dtype and device in each layer (FSDP casts per layer)
         unknown = sorted(set(mask_kwargs) - MASK_ARGS)
         if unknown:  # else build_plan's own TypeError, naming a function the caller never called
@@ -210,6 +212,8 @@ class STUStack(nn.Module):
         if attn_plan is None:
             attn_plan = build_plan(seq_offsets, total=x.shape[0], max_seq_len=max_seq_len, sparse=sparse,
                                    **mask_kwargs)
+        if attn_scale is not None:
+            mask_kwargs = {**mask_kwargs, "attn_scale": attn_scale}
         for layer in self.layers:
             x = layer(x, seq_offsets, max_seq_len, timestamps, attn_plan=attn_plan, **mask_kwargs)
         return self.norm(x)

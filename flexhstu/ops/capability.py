@@ -8,7 +8,6 @@ without triton.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 
@@ -17,11 +16,9 @@ import torch
 from ..masks.rules import FixedRule
 from .triton.limits import MAX_HEAD_DIM, MIN_HEAD_DIM, head_dim_supported
 
-
-@functools.cache
-def _triton_installed() -> bool:
-    """Whether triton can be imported; asked once per process (a package lookup costs ~25 us per call)."""
-    return importlib.util.find_spec("triton") is not None
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+"""Whether triton can be imported: looked up once, at import (a package lookup costs ~25 us per call, and a
+plain constant is what torch.compile traces without a warning)."""
 
 
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -39,7 +36,7 @@ def triton_unsupported_reason(
     (``rel_bias`` tables, which the kernels compute per tile, or a dense ``rab``, which they do not read),
     or None.
     """
-    if not _triton_installed():
+    if not _TRITON_INSTALLED:
         return "kernel: expected a backend that is installed (Kernel.TRITON needs triton: pip install 'flexhstu[gpu]')"
     if not q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
         return f"q.device: expected CUDA for Kernel.TRITON (or the CPU under TRITON_INTERPRET=1), got {q.device}"

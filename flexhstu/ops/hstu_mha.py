@@ -307,7 +307,7 @@ def _run_triton(c: _Call) -> torch.Tensor:
         return triton_hstu_mha(c.q, c.k, c.v, c.seq_offsets, func=c.mask, **common)
     rule = c.mask
     if not rule.causal:  # plain by the capability check: every row sees its whole sequence
-        if c.plan is not None:  # the plan holds its own all-visible func: the call must name that one
+        if c.plan is not None and not torch.compiler.is_compiling():  # the plan's own all-visible func
             return triton_hstu_mha(c.q, c.k, c.v, c.seq_offsets, func=c.plan.func, **common)
         _, _, length = row_coords(c.seq_offsets, c.q.shape[0])
         return triton_hstu_mha(c.q, c.k, c.v, c.seq_offsets, func=length.to(torch.int32)[None, None], **common)

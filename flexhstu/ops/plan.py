@@ -53,6 +53,15 @@ def _describe(mask: torch.Tensor | FixedRule) -> str:
             f"contextual_seq_len {mask.contextual_seq_len}, min_full_attn_seq_len {mask.min_full_attn_seq_len})")
 
 
+def _describe_kind(mask: torch.Tensor | FixedRule) -> str:
+    """``_describe`` without storage addresses (traceable)."""
+    if isinstance(mask, torch.Tensor):
+        return "an attn_func"
+    nt = "none" if mask.num_targets is None else "a tensor"
+    return (f"the fixed rule (causal {mask.causal}, num_targets {nt}, max_attn_len {mask.max_attn_len}, "
+            f"contextual_seq_len {mask.contextual_seq_len}, min_full_attn_seq_len {mask.min_full_attn_seq_len})")
+
+
 def _same_mask(a: torch.Tensor | FixedRule, b: torch.Tensor | FixedRule) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and _same_tensor(a, b)
@@ -72,7 +81,9 @@ class AttnPlan:
                  sparse: bool | None):
         self.seq_offsets, self.total, self.max_seq_len = seq_offsets, total, max_seq_len
         self.mask, self.sparse = mask, sparse
-        self._versions = _versions(seq_offsets, mask)
+        # Version counters are not traceable; a plan built under torch.compile is used by compiled calls only,
+        # which never read its tables.
+        self._versions = None if torch.compiler.is_compiling() else _versions(seq_offsets, mask)
         self._block = None
 
     @property
@@ -105,7 +116,16 @@ class AttnPlan:
         return self.block.vis.func
 
     def check(self, seq_offsets: torch.Tensor, total: int, mask: torch.Tensor | FixedRule) -> None:
-        """Raise unless a call with these offsets, ``total`` rows and mask is the one this plan was built for."""
+        """Raise unless a call with these offsets, ``total`` rows and mask is the one this plan was built for.
+
+        Under torch.compile only what tracing can compare is checked (rows, the kind of mask and its scalar
+        parameters): storage addresses and version counters are not traceable, and a compiled call never
+        runs on the plan's tables (the op builds its own in the graph; the plan only picks the tiles), so a
+        plan of other offsets cannot make it wrong.
+        """
+        if torch.compiler.is_compiling():
+            self._check_traceable(total, mask)
+            return
         if not _same_tensor(seq_offsets, self.seq_offsets):
             raise bad_value("attn_plan", "a plan built from this call's seq_offsets tensor (same storage and shape)",
                             f"a plan of seq_offsets {tuple(self.seq_offsets.shape)} at "
@@ -116,17 +136,30 @@ class AttnPlan:
         if not _same_mask(mask, self.mask):
             raise bad_value("attn_plan", f"a plan for the call's mask, {_describe(mask)}",
                             f"a plan for {_describe(self.mask)}")
-        if _versions(seq_offsets, mask) != self._versions:
+        if self._versions is not None and _versions(seq_offsets, mask) != self._versions:
             raise bad_value("attn_plan", "a plan built after the last in-place change of seq_offsets, attn_func or "
                             "num_targets (build_plan again)", "a plan built before such a change (the plan "
                             "holds block tables of the old values)")
+
+    def _check_traceable(self, total: int, mask: torch.Tensor | FixedRule) -> None:
+        if total != self.total:
+            raise bad_value("attn_plan", f"a plan for the call's {total} rows (q.shape[0])", f"a plan for {self.total}")
+        mine = self.mask
+        if isinstance(mask, torch.Tensor) != isinstance(mine, torch.Tensor) or (
+                not isinstance(mask, torch.Tensor) and (
+                    mask.causal != mine.causal or (mask.num_targets is None) != (mine.num_targets is None)
+                    or (mask.max_attn_len, mask.contextual_seq_len, mask.min_full_attn_seq_len)
+                    != (mine.max_attn_len, mine.contextual_seq_len, mine.min_full_attn_seq_len))):
+            raise bad_value("attn_plan", f"a plan for the call's mask, {_describe_kind(mask)}",
+                            f"a plan for {_describe_kind(mine)}")
 
     def check_triton_call(self, seq_offsets: torch.Tensor, total: int, *, func, num_targets, causal_closed_form: bool,
                           contextual: int, window: int, min_full: int) -> None:
         """``check`` for a call of ``triton_hstu_mha``, whose mask arguments are the kernels' (a func, closed-form
         causal, or the fixed rule's parameters); a ``causal=False`` plan is used through its own func."""
         if func is not None:
-            own = isinstance(self.mask, FixedRule) and not self.mask.causal and func is self.func
+            own = isinstance(self.mask, FixedRule) and not self.mask.causal and (
+                torch.compiler.is_compiling() or func is self.func)  # compiled: the call's own all-visible func
             mask = self.mask if own else func
         elif causal_closed_form:
             mask = FixedRule()

@@ -134,3 +134,39 @@ def test_cached_scoring_with_cuda_graphs_equals_eager_micro_batches():
     check("cached scoring, CUDA graphs", {"graphs_vs_eager": rel(graphed, eager), "auto_vs_eager": rel(again, eager)},
           tol=1e-3)
     check("cached scoring vs full recompute", {"scores": rel(eager, full)}, tol=3e-2)
+
+
+@pytest.mark.parametrize(("mask", "mode", "rel_bias", "plan"), [
+    ("causal", None, False, "outside"),
+    ("window 256", "reduce-overhead", False, "inside"),
+    ("sla 256/32", None, True, "outside"),
+])
+def test_stu_stack_compiled_whole_equals_eager_on_the_triton_kernels(mask, mode, rel_bias, plan):
+    # torch.compile(model) of the whole stack, fullgraph, as users compile a model: the attention is the
+    # Triton custom op inside the graph, the plan built by the caller or by the stack.
+    torch.manual_seed(0)
+    lengths = [2048, 777, 0, 1500]
+    offs = offsets(lengths)
+    total, n = sum(lengths), max(lengths)
+    kw = {"window 256": {"max_attn_len": 256}, "causal": {},
+          "sla 256/32": {"attn_func": masks.sla(offs, 256, 32, total=total)}}[mask]
+    cfg = STULayerConfig(embedding_dim=256, num_heads=2, attention_dim=64, hidden_dim=64, dropout=0.0,
+                         rel_bias=rel_bias, rel_bias_max_len=n)
+    stack = STUStack(cfg, 2).cuda().to(torch.bfloat16)
+    if plan == "outside":
+        kw["attn_plan"] = flexhstu.build_plan(offs, total=total, max_seq_len=n, **kw)
+    ts = torch.arange(total, device="cuda") * 60
+    x = torch.randn(total, 256, device="cuda", dtype=torch.bfloat16)
+    dout = torch.randn_like(x)
+    compiled = torch.compile(stack, fullgraph=True, mode=mode)
+    results = []
+    for fn in (stack, compiled, compiled, compiled):  # eager, then the compiled step three times (replays)
+        torch.compiler.cudagraph_mark_step_begin()
+        xi = x.clone().requires_grad_(True)
+        out = fn(xi, offs, n, ts, **kw)
+        grads = torch.autograd.grad(out, [xi, *stack.parameters()], dout)
+        results.append((out.clone(), [g.clone() for g in grads]))  # a later replay may reuse graph outputs
+    (o_e, g_e), (o_c, g_c) = results[0], results[-1]
+    errs = {"out": rel(o_c, o_e), "dx": rel(g_c[0], g_e[0]),
+            "worst_param_grad": max(rel(a, b) for a, b in zip(g_c[1:], g_e[1:]))}
+    check(f"STU stack compiled whole vs eager, {mask}, mode {mode}, bias {rel_bias}", errs, tol=TOL)

@@ -331,19 +331,25 @@ def triton_hstu_mha(q, k, v, seq_offsets, *, func=None, num_targets=None, causal
             raise bad_value(name, f"a head dim from {MIN_HEAD_DIM} to {MAX_HEAD_DIM} for the Triton kernels", d)
     if attn_scale is not None:
         _check_attn_scale(attn_scale, q.shape[0], q.device)
-    vis = visibility(func, num_targets, causal_closed_form, contextual, window, min_full, max_seq_len=max_seq_len)
     if plan is not None:
         plan.check_triton_call(seq_offsets, q.shape[0], func=func, num_targets=num_targets,
                                causal_closed_form=causal_closed_form, contextual=contextual, window=window,
                                min_full=min_full)
+    tables = (None, None, None) if rel_bias is None else tuple(rel_bias)
+    # The kernels read offsets and num_targets as plain int64 / int arrays (no strides): made so here, once.
+    offs = seq_offsets.to(torch.int64).contiguous()
+    if torch.compiler.is_compiling():
+        # The op builds its own block plan (and safe offsets) in the graph from the call's own mask: a plan
+        # object is never traced (its tables are built lazily, outside any graph), it only picks the tiles.
+        vis = visibility(func, num_targets, causal_closed_form, contextual, window, min_full,
+                         sparse=None if plan is None else plan.sparse, max_seq_len=max_seq_len)
+        return hstu_mha_fwd(q, k, v, offs, vis.func, vis.num_targets, attn_scale, vis.mode, vis.contextual,
+                            vis.window, vis.min_full, vis.sparse, alpha, out_scale, max_seq_len, *tables)
+    if plan is not None:
         block = plan.block
     else:
-        # The kernels read offsets and num_targets as plain int64 / int arrays (no strides): made so here, once.
-        block = BlockPlan(seq_offsets.to(torch.int64).contiguous(), q.shape[0], vis)
+        block = BlockPlan(offs, q.shape[0], visibility(func, num_targets, causal_closed_form, contextual, window,
+                                                       min_full, max_seq_len=max_seq_len))
     vis = block.vis
-    tables = (None, None, None) if rel_bias is None else tuple(rel_bias)
-    if torch.compiler.is_compiling():  # the op makes its own plan (and safe offsets) from the caller's offsets
-        return hstu_mha_fwd(q, k, v, block.raw_offs, vis.func, vis.num_targets, attn_scale, vis.mode, vis.contextual,
-                            vis.window, vis.min_full, vis.sparse, alpha, out_scale, max_seq_len, *tables)
     return _HstuAttention.apply(q, k, v, block.offs, vis.func, vis.num_targets, attn_scale, block, alpha, out_scale,
                                 max_seq_len, *tables)
