@@ -294,7 +294,8 @@ def sharded_ranks(model: nn.Module, batch, targets: list[int], seen: list[np.nda
     """0-based full-corpus rank of each target (as ``metrics.target_rank``) for a model whose item table is
     sharded: every rank scores its rows in chunks of ``chunk_elements`` scores, counts the items above the
     target, and the counts are summed over the ranks. The padding item 0, the target and the user's
-    history ``seen`` never count. Every rank must call it with the same batch."""
+    history ``seen`` never count; an item whose score is NaN counts as above, and a target whose score is not
+    finite ranks last. Every rank must call it with the same batch."""
     table: ItemTable = model.encoder.items
     h = F.normalize(model.states(batch), dim=-1)[batch.offsets[1:] - 1]  # (B, D) each user's last state
     tgt = torch.tensor(targets, dtype=torch.int64, device=h.device)
@@ -312,6 +313,7 @@ def sharded_ranks(model: nn.Module, batch, targets: list[int], seen: list[np.nda
         scores = h @ F.normalize(local[c0:c0 + step], dim=-1).T
         here = (ex_cols >= c0) & (ex_cols < c0 + scores.shape[1])
         scores[ex_rows[here], ex_cols[here] - c0] = -math.inf
-        above += (scores > target_score[:, None]).sum(1)
+        above += ((scores > target_score[:, None]) | scores.isnan()).sum(1)
     dist.all_reduce(above, group=table.group)
-    return above.tolist()
+    last = torch.tensor([table.num_rows - len(c) for _, c in pairs], device=h.device)  # candidates less one
+    return torch.where(torch.isfinite(target_score), above, last).tolist()

@@ -12,11 +12,19 @@ import torch
 
 def target_rank(scores: torch.Tensor, target: int, seen: torch.Tensor) -> int:
     """0-based rank of ``target`` among ``scores (num_items + 1,)``, after removing the padding item 0 and the
-    items in ``seen`` (the user's history; the target itself is never removed). Ties rank in the target's favour."""
-    row = scores.clone()
-    row[0] = -math.inf
-    row[seen[seen != target]] = -math.inf
-    return int((row > row[target]).sum())
+    items in ``seen`` (the user's history; the target itself is never removed). Ties rank in the target's favour.
+
+    Scores that are not finite never help the target: a target whose score is NaN or infinite ranks last (a
+    diverged model would otherwise rank every target first, since nothing compares greater than NaN), and an
+    item whose score is NaN counts as above it."""
+    candidates = torch.ones_like(scores, dtype=torch.bool)
+    candidates[0] = False
+    candidates[seen[seen != target]] = False
+    mine = scores[target]
+    if not bool(torch.isfinite(mine)):
+        return int(candidates.sum()) - 1
+    row = scores[candidates]
+    return int(((row > mine) | row.isnan()).sum())
 
 
 def hit_rate_and_ndcg(ranks: list[int], k: int = 10) -> dict[str, float]:
@@ -36,7 +44,10 @@ def mrr(ranks: list[int]) -> float:
 
 
 def auc(scores: np.ndarray, labels: np.ndarray) -> float:
-    """Area under the ROC curve by the rank statistic (ties get average ranks); NaN if one class is absent."""
+    """Area under the ROC curve by the rank statistic (ties get average ranks); NaN if one class is absent or a
+    score is not finite (NaN scores have no order: a diverged model has no AUC, not 0.25)."""
+    if not np.isfinite(scores).all():
+        return float("nan")
     pos, neg = labels > 0.5, labels <= 0.5
     if pos.sum() == 0 or neg.sum() == 0:
         return float("nan")
@@ -54,8 +65,9 @@ def auc(scores: np.ndarray, labels: np.ndarray) -> float:
 
 
 def ndcg_at(scores: np.ndarray, labels: np.ndarray, k: int = 10) -> float:
-    """NDCG@k of one candidate list with binary labels; NaN without positives."""
-    if labels.sum() == 0:
+    """NDCG@k of one candidate list with binary labels; NaN without positives or with a score that is not finite
+    (NaN scores have no order: the list's own order would decide)."""
+    if labels.sum() == 0 or not np.isfinite(scores).all():
         return float("nan")
     top = np.argsort(-scores, kind="mergesort")[:k]
     dcg = (labels[top] / np.log2(np.arange(2, len(top) + 2))).sum()
@@ -65,7 +77,10 @@ def ndcg_at(scores: np.ndarray, labels: np.ndarray, k: int = 10) -> float:
 
 def list_ndcg(scores: np.ndarray, labels: np.ndarray, list_offsets: np.ndarray, k: int = 10) -> float:
     """Mean NDCG@k over the candidate lists ``list_offsets[b]:list_offsets[b + 1]`` of ``scores, labels (C,)``;
-    lists without a positive are skipped (NaN if every list is)."""
+    lists without a positive are skipped (NaN if every list is). NaN if a score is not finite: leaving out the
+    lists of a diverged model would report the others as if they were all."""
+    if not np.isfinite(scores).all():
+        return float("nan")
     vals = [ndcg_at(scores[a:b], labels[a:b], k) for a, b in itertools.pairwise(list_offsets)]
     vals = [v for v in vals if not math.isnan(v)]
     return float(np.mean(vals)) if vals else float("nan")
@@ -74,7 +89,9 @@ def list_ndcg(scores: np.ndarray, labels: np.ndarray, list_offsets: np.ndarray, 
 def gauc(scores: np.ndarray, labels: np.ndarray, group_offsets: np.ndarray) -> float:
     """Group AUC: the AUC of each group ``group_offsets[g]:group_offsets[g + 1]`` (a user's impressions),
     averaged with the group's number of impressions as its weight. Groups with one class only have no AUC
-    and are skipped (NaN if every group is)."""
+    and are skipped (NaN if every group is). NaN if a score is not finite, as ``auc``."""
+    if not np.isfinite(scores).all():
+        return float("nan")
     aucs, weights = [], []
     for a, b in itertools.pairwise(group_offsets):
         value = auc(scores[a:b], labels[a:b])

@@ -4,6 +4,7 @@ pre-check, sharded checkpoints (atomic, resumable on any number of ranks) and th
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import signal
@@ -78,6 +79,26 @@ def test_a_rowwise_lookup_reads_and_trains_rows_as_nn_embedding_does(one_rank_gr
     grad = sharded.weight.grad.to_local()
     assert torch.equal(grad, reference.weight.grad) and torch.equal(whole.weight.grad, reference.weight.grad)
     assert grad[0].abs().sum() == 0 and torch.allclose(grad[3], g[0, 0] + g[1, 0])
+
+
+def test_sharded_ranks_rank_non_finite_target_scores_last_as_target_rank_does(one_rank_group):
+    from flexhstu.metrics import target_rank
+    from flexhstu.models import make_batch
+
+    _, d, model, _ = sharded_run()
+    model.eval()
+    users = [0, 1, 2]
+    items = [d.train_items[u] for u in users]
+    batch = make_batch(items, [d.seqs.times[u][:len(items[i])] for i, u in enumerate(users)], 20,
+                       with_targets=False)
+    targets = [int(d.valid[u]) for u in users]
+    with torch.no_grad():
+        model.encoder.items.weight[targets[0]] = math.nan  # one target's score is NaN
+        model.encoder.items.weight[7] = math.nan  # and one other item's
+        scores = model.scores(batch).float()
+        want = [target_rank(scores[r], t, torch.from_numpy(s)) for r, (s, t) in enumerate(zip(items, targets))]
+        assert distributed.sharded_ranks(model, batch, targets, items) == want
+    assert want[0] == d.num_items - len(set(items[0].tolist()) - {targets[0]}) - 1  # last of the candidates
 
 
 def test_table_memory_counts_the_table_its_gradient_and_adams_moments():

@@ -55,6 +55,28 @@ def test_target_rank_ignores_padding_and_seen_items_but_not_the_target():
     assert target_rank(scores, 2, torch.tensor([4])) == 0
 
 
+def test_a_non_finite_target_score_ranks_last():
+    # A diverged model scores NaN everywhere: nothing compares greater than NaN, so counting the items above the
+    # target ranked every target first (HR@10 = NDCG@10 = 1.0 for a run whose every loss was NaN).
+    nan, inf = math.nan, math.inf
+    none = torch.tensor([], dtype=torch.int64)
+    assert target_rank(torch.full((6,), nan), 3, none) == 4  # 5 candidates (item 0 is padding): the last is 4
+    assert target_rank(torch.full((6,), nan), 3, torch.tensor([1, 3])) == 3  # seen 1 is removed, the target kept
+    assert target_rank(torch.tensor([0.0, 1.0, 2.0, inf, 0.5, 0.1]), 3, none) == 4
+    assert target_rank(torch.tensor([0.0, 1.0, 2.0, -inf, 0.5, 0.1]), 3, none) == 4
+    # an item whose score is NaN is not below the target
+    assert target_rank(torch.tensor([0.0, nan, 2.0, 3.0, nan, 0.1]), 3, none) == 2
+
+
+def test_ranking_metrics_of_non_finite_scores_are_nan():
+    labels = np.array([1, 0, 1, 0])
+    for scores in (np.full(4, np.nan), np.array([0.1, np.nan, 0.3, 0.2]), np.array([np.inf, 0.0, 1.0, 2.0])):
+        assert math.isnan(auc(scores, labels)), scores
+        assert math.isnan(gauc(scores, labels, np.array([0, 2, 4]))), scores
+        assert math.isnan(ndcg_at(scores, labels)), scores
+        assert math.isnan(list_ndcg(scores, labels, np.array([0, 2, 4]))), scores
+
+
 def test_hit_rate_and_ndcg_count_ranks_below_k():
     got = hit_rate_and_ndcg([0, 3, 10, 12], k=10)
     assert got == {"HR@10": 0.5, "NDCG@10": pytest.approx((1 + 1 / math.log2(5)) / 4)}
