@@ -40,7 +40,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from . import checkpoint, distributed
-from .cli.common import Parser, checked_device, non_negative_int, positive_int, run, user_input
+from .cli.common import Parser, RunFailure, checked_device, non_negative_int, positive_int, run, user_input
 from .data import data_digest, load, synthetic
 from .data.movielens import parse_columns
 from .data.sequences import UserSequences, leave_one_out, user_sequences
@@ -714,7 +714,11 @@ def train_epoch(a: argparse.Namespace, epoch: int, d: Splits, model, ddp, opt, r
     step's targets (ranking: candidates) times the number of ranks, so DDP's mean gradient is the gradient of the
     whole step's mean loss: a retrieval run without dropout trains the same parameters on any number of ranks,
     up to float rounding. A rank left without a unit (a short last step) runs one with weight 0, as its
-    collectives need it. The recorded loss is the mean over steps of the whole step's mean loss."""
+    collectives need it. The recorded loss is the mean over steps of the whole step's mean loss.
+
+    ``Diverged`` stops it at the first step whose loss is not finite (on one rank at once; on several after the
+    epoch, when every rank holds every step's loss, so that all stop together), and after the epoch if its last
+    update left a weight that is not finite."""
     torch.manual_seed(a.seed * 1000 + epoch)  # dropout stream of this epoch
     gen, batches = epoch_batches(a, epoch, d)
     sharded = distributed.is_sharded(model)
@@ -743,6 +747,9 @@ def train_epoch(a: argparse.Namespace, epoch: int, d: Splits, model, ddp, opt, r
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         losses.append(loss.item() * share if world > 1 else loss.item())
+        if world == 1 and not math.isfinite(losses[-1]):
+            bar.close()
+            raise Diverged(epoch, len(losses), len(batches), f"the loss became {losses[-1]}")
         step_tokens = step_tokens if share > 0 or world == 1 else 0
         tokens += step_tokens
         speed.add(step_tokens, time.perf_counter() - start)
@@ -751,7 +758,35 @@ def train_epoch(a: argparse.Namespace, epoch: int, d: Splits, model, ddp, opt, r
         summed = torch.tensor(losses, dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
         dist.all_reduce(summed)
         losses = summed.tolist()
+        bad = next((i for i, x in enumerate(losses) if not math.isfinite(x)), None)
+        if bad is not None:
+            raise Diverged(epoch, bad + 1, len(batches), f"the loss became {losses[bad]}")
+    if not math.isfinite(checksum(model)):  # every rank: a sharded table's sum is collective
+        raise Diverged(epoch, len(batches), len(batches), "the weights became non-finite in the update")
     return {"epoch": epoch + 1, "loss": float(np.mean(losses)), "seconds": time.perf_counter() - t0}
+
+
+class Diverged(Exception):
+    """Training produced a non-finite loss or weight at (0-based) ``epoch``, 1-based ``step`` of ``steps``."""
+
+    def __init__(self, epoch: int, step: int, steps: int, what: str):
+        super().__init__(f"{what} at epoch {epoch + 1} step {step} of {steps}")
+        self.epoch, self.step, self.steps, self.what = epoch, step, steps, what
+
+
+def diverged_message(a: argparse.Namespace, e: Diverged, out: Path, p: Progress, knows_progress: bool) -> str:
+    """The one line of a run stopped by ``e``: where, the learning rate, and what was kept (nothing of the
+    diverged epoch is saved: the checkpoint, metrics.json and metrics.png stay as the last finite epoch left them)."""
+    if a.no_checkpoint:
+        kept = "nothing was saved (--no-checkpoint)"
+    elif not knows_progress:
+        kept = f"{out / 'checkpoint.pt'} keeps the last finite epoch, if one finished"
+    elif p.epoch:
+        kept = (f"{out / 'checkpoint.pt'} keeps epoch {p.epoch}, the last finite one (--resume with a lower --lr "
+                "continues from it)")
+    else:
+        kept = "no checkpoint was written (no epoch finished with finite weights)"
+    return f"{e} with --lr {a.lr:g}: training diverged and stopped; {kept}"
 
 
 def plot_title(a: argparse.Namespace) -> str:
@@ -898,7 +933,10 @@ def _train_in(a: argparse.Namespace, out: Path, d: Splits, device, rank: int, wo
     speed = Throughput()
     last = min(a.epochs, p.epoch + a.stop_after) if a.stop_after else a.epochs
     for epoch in range(p.epoch, last):
-        record = train_epoch(a, epoch, d, model, ddp, opt, rank, world, device, speed)
+        try:
+            record = train_epoch(a, epoch, d, model, ddp, opt, rank, world, device, speed)
+        except Diverged as e:
+            raise RunFailure(diverged_message(a, e, out, p, rank == 0 or collective)) from e
         if rank == 0 or collective:
             record.update({f"valid {k}": v for k, v in evaluate(a, model, d, "valid", device).items()})
             p.history.append(record)

@@ -4,6 +4,9 @@ Only mistakes in the input become that line: argparse errors, and ``ValueError``
 raised inside a ``user_input()`` block (the steps that validate what the user gave: parsing, the data
 file, the checkpoint, the device, the mask arguments). Anything raised elsewhere is a bug and keeps
 its traceback; ``--debug`` shows the traceback of a user error too.
+
+A run that cannot finish for a reason outside the input's form (training diverged, a file could not be written)
+raises ``RunFailure``: one line ``flexhstu <command>: error: ...`` as well, exit status 1.
 """
 
 from __future__ import annotations
@@ -20,6 +23,11 @@ if TYPE_CHECKING:
 
 class UserError(Exception):
     """A mistake in the command's input; its message is the whole answer."""
+
+
+class RunFailure(Exception):
+    """The command could not finish (training diverged, the disk is full); its message is the whole answer, and
+    it says what was kept."""
 
 
 class Parser(argparse.ArgumentParser):
@@ -52,14 +60,15 @@ def user_input(arg: str | None = None, lib_arg: str | None = None) -> Iterator[N
 
 
 def run(prog: str, fn: Callable[[], int], debug: bool) -> int:
-    """``fn()``, with a ``UserError`` turned into one line on stderr and exit status 2 (re-raised with ``debug``)."""
+    """``fn()``, with a ``UserError`` turned into one line on stderr and exit status 2, a ``RunFailure`` into one
+    line and exit status 1 (both re-raised with ``debug``)."""
     try:
         return fn()
-    except UserError as e:
+    except (UserError, RunFailure) as e:
         if debug:
             raise
         print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
+        return 2 if isinstance(e, UserError) else 1
     except KeyboardInterrupt:  # Ctrl-C: one line (files a user keeps are written atomically: none is half done)
         if debug:
             raise

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+import torch
 
 from flexhstu import train
 from flexhstu.data import load, synthetic
@@ -82,6 +85,55 @@ def test_tiny_ranking_runs_with_and_without_task_tokens(tmp_path):
     assert set(ablation["test"]) == {f"{m} {t}" for m in ("AUC", "NDCG@10", "GAUC", "NDCG@3") for t in tasks}
     for r in (with_tokens, ablation):
         assert 0.0 <= r["test"]["AUC watched"] <= 1.0
+
+
+SHORT = ["--epochs", "3", "--steps-per-epoch", "3", "--eval-users", "50"]
+
+
+def test_a_diverging_run_stops_at_the_first_non_finite_loss_and_keeps_its_last_checkpoint(tmp_path, capsys):
+    # User trial: --lr 1e9 made every loss NaN, yet the run reported HR@10 = NDCG@10 = 1.0, chose a best epoch,
+    # saved the NaN model and exited 0.
+    out = tmp_path / "run"
+    train.main(TINY + SHORT + ["--stop-after", "1", "--out", str(out)])
+    before = {f: (out / f).read_bytes() for f in ("checkpoint.pt", "metrics.json", "metrics.png")}
+    capsys.readouterr()
+    assert train.cli(TINY + SHORT + ["--resume", "--lr", "1e9", "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert re.fullmatch(r"flexhstu train: error: the loss became nan at epoch 2 step [23] of 3 with --lr 1e\+09: "
+                        r"training diverged and stopped; .*checkpoint\.pt keeps epoch 1, the last finite one "
+                        r"\(--resume with a lower --lr continues from it\)", err[0]), err
+    assert {f: (out / f).read_bytes() for f in before} == before  # nothing of the diverged epoch is written
+    assert sorted(p.name for p in out.iterdir()) == [".lock", *sorted(before)]
+
+
+@pytest.mark.parametrize("task", ["retrieval", "ranking"])
+def test_a_run_that_diverges_in_its_first_epoch_writes_nothing(tmp_path, capsys, task):
+    argv = ["--task", task, "--model", "onerank"] if task == "ranking" else []
+    assert train.cli(TINY + SHORT + argv + ["--lr", "1e9", "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.fullmatch(r"flexhstu train: error: the loss became nan at epoch 1 step \d of 3 with "
+                                          r"--lr 1e\+09: training diverged and stopped; no checkpoint was written "
+                                          r"\(no epoch finished with finite weights\)", err[0]), err
+    assert [p.name for p in tmp_path.iterdir()] == [".lock"]
+
+
+def test_weights_made_non_finite_by_an_epochs_last_update_are_never_saved(tmp_path, capsys, monkeypatch):
+    step = torch.optim.AdamW.step
+
+    def poisoning_step(self, *args, **kwargs):  # the update leaves an infinite weight; the loss stays finite
+        out = step(self, *args, **kwargs)
+        with torch.no_grad():
+            self.param_groups[0]["params"][0].view(-1)[0] = math.inf
+        return out
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", poisoning_step)
+    assert train.cli(TINY + SHORT + ["--steps-per-epoch", "1", "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["flexhstu train: error: the weights became non-finite in the update at epoch 1 step 1 of 1 with "
+                   "--lr 0.003: training diverged and stopped; no checkpoint was written (no epoch finished with "
+                   "finite weights)"], err
+    assert not (tmp_path / "checkpoint.pt").exists()
 
 
 def test_two_cpu_processes_stay_in_sync(tmp_path):
