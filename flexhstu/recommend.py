@@ -124,6 +124,7 @@ class Recommender:
             args = [torch.from_numpy(x).to(self.device) for x in (hist, ht)]
             offs = [torch.tensor([0, n], device=self.device) for n in (len(hist), len(pool))]
             scores = self.model(args[0], args[1], offs[0], torch.from_numpy(pool).to(self.device), offs[1]).cpu()
+            _check_finite(scores, user)
             order = torch.argsort(scores[:, 0], descending=True, stable=True)[:k]
             return Recommendation(user, [self.item_ids[i - 1] for i in pool[order.numpy()]], scores[order].numpy())
         row = self.model.scores(make_batch([items], [times], max_len, with_targets=False).to(self.device))[0].cpu()
@@ -131,9 +132,19 @@ class Recommender:
         allowed[torch.from_numpy(cand) if cand is not None else slice(1, None)] = True  # item 0 is padding
         if cand is None and not include_seen:
             allowed[torch.from_numpy(items)] = False
+        _check_finite(row[allowed], user)
         row = torch.where(allowed, row.float(), -torch.inf)
         top = torch.topk(row, min(k, int(allowed.sum()))).indices
         return Recommendation(user, [self.item_ids[i - 1] for i in top.tolist()], row[top].numpy())
+
+
+def _check_finite(scores: torch.Tensor, user) -> None:
+    """A model whose scores are NaN or infinite (a diverged run) has no order to give: its top K would be the
+    catalogue's own order, printed with NaN scores as if it were an answer."""
+    bad = scores[~torch.isfinite(scores)]
+    if len(bad):
+        raise ValueError(f"--checkpoint: expected a model whose scores are finite, got {float(bad[0])} scores for "
+                         f"user {user} (its run diverged: train it again with a lower --lr)")
 
 
 def _distinct(ids: list) -> list:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -115,6 +116,27 @@ def test_a_ranking_model_scores_the_given_candidates_per_task(tmp_path):
         rec.recommend([4])
     with pytest.raises(ValueError, match="--candidates: expected items of the run's data, got '999'"):
         rec.recommend([4], candidates=[999])
+
+
+def test_a_model_whose_scores_are_not_finite_is_refused(csv_run, tmp_path, capsys):
+    # User trial: the checkpoint of a diverged run (--lr 1e9) printed NaN scores in the catalogue's order, exit 0.
+    import torch
+
+    from flexhstu import checkpoint
+
+    root, _ = csv_run
+    state = checkpoint.load(root / "run" / "checkpoint.pt")
+    weights = state["best"]["model"] or state["model"]
+    state["best"]["model"] = {k: torch.full_like(v, math.nan) if v.is_floating_point() else v
+                              for k, v in weights.items()}
+    diverged = tmp_path / "checkpoint.pt"
+    checkpoint.save(state, diverged)
+    assert main(["recommend", "--checkpoint", str(diverged), "--users", "u1,u2"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.strip().splitlines() == [
+        "flexhstu recommend: error: --checkpoint: expected a model whose scores are finite, got nan scores for user "
+        "u1 (its run diverged: train it again with a lower --lr)"]
+    assert main(["recommend", "--checkpoint", str(diverged), "--users", "u1", "--candidates", "i1,i2"]) == 2
 
 
 def test_other_data_than_the_runs_is_refused(csv_run):
