@@ -53,9 +53,16 @@ def write_text(path: str | os.PathLike, text: str) -> None:
 
 
 def write_atomic(path: str | os.PathLike, write) -> None:
-    """``write(f)`` into a temporary file beside ``path``, flushed and synced, then renamed over ``path``."""
+    """``write(f)`` into a temporary file beside ``path``, flushed and synced, then renamed over ``path``.
+
+    If it fails, the temporary file is removed and ``path`` is as it was. A failure of the file system (a full
+    disk, a file-size limit, a read-only folder) is raised as an ``OSError`` naming ``path`` with the system's
+    error, whatever the writer made of it (``torch.save`` follows the OSError with a RuntimeError of its own)."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp")
+    except OSError as e:
+        raise _naming(e, path) from e
     try:
         os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600: the mode a plain open would give (review)
         with os.fdopen(fd, "wb") as f:
@@ -63,11 +70,30 @@ def write_atomic(path: str | os.PathLike, write) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         os.unlink(tmp)
-        raise
+        cause = _os_error(e)
+        if cause is None:
+            raise
+        raise _naming(cause, path) from e
     _fsync_folder(path.parent)  # the rename itself must reach the disk
     _remove_orphans(path)
+
+
+def _os_error(e: BaseException | None) -> OSError | None:
+    """The first OSError in ``e``'s chain of causes and contexts (``e`` itself included)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _naming(e: OSError, path: Path) -> OSError:
+    """``e`` as an OSError of the same kind about ``path`` (not the temporary file)."""
+    return type(e)(e.errno, e.strerror or str(e), str(path)) if e.errno is not None else OSError(f"{path}: {e}")
 
 
 def _fsync_folder(path: Path) -> None:

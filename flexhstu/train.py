@@ -40,7 +40,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from . import checkpoint, distributed
-from .cli.common import Parser, RunFailure, checked_device, non_negative_int, positive_int, run, user_input
+from .cli.common import (
+    Parser,
+    RunFailure,
+    checked_device,
+    non_negative_int,
+    output_files,
+    positive_int,
+    run,
+    user_input,
+)
 from .data import data_digest, load, synthetic
 from .data.movielens import parse_columns
 from .data.sequences import UserSequences, leave_one_out, user_sequences
@@ -914,7 +923,8 @@ def _train_in(a: argparse.Namespace, out: Path, d: Splits, device, rank: int, wo
     torch.manual_seed(a.seed)
     result: dict = {"args": vars(a)}
     if a.model == "popularity":
-        return write(result | run_popularity(a, d), [], out, rank, a)
+        with output_files():
+            return write(result | run_popularity(a, d), [], out, rank, a)
 
     with user_input():
         table = build_item_table(a, d.num_items, world, device)
@@ -946,8 +956,9 @@ def _train_in(a: argparse.Namespace, out: Path, d: Splits, device, rank: int, wo
             if new_best:
                 p.best = {"score": score, "epoch": epoch + 1, "model": None}
             if not a.no_checkpoint:
-                save_checkpoint(a, d, out, model, opt, p, new_best, rank)
-                latest_after_output(out, rank)
+                with output_files():
+                    save_checkpoint(a, d, out, model, opt, p, new_best, rank)
+                    latest_after_output(out, rank)
             if rank == 0 and not a.quiet:
                 print(json.dumps(record))
         if world > 1:
@@ -973,7 +984,8 @@ def _train_in(a: argparse.Namespace, out: Path, d: Splits, device, rank: int, wo
         dist.barrier()
     if created:
         dist.destroy_process_group()
-    return write(result, p.history, out, rank, a)
+    with output_files():
+        return write(result, p.history, out, rank, a)
 
 
 def param_groups(a: argparse.Namespace, model: torch.nn.Module):

@@ -12,9 +12,11 @@ raises ``RunFailure``: one line ``flexhstu <command>: error: ...`` as well, exit
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -57,6 +59,22 @@ def user_input(arg: str | None = None, lib_arg: str | None = None) -> Iterator[N
             text = arg + text[len(lib_arg):]
         named = arg and not text.startswith(f"{arg}:")  # a message that names the argument already keeps its form
         raise UserError(f"{arg}: {text}" if named else text) from e
+
+
+@contextmanager
+def output_files() -> Iterator[None]:
+    """Marks the writing of files the user keeps (checkpoints, metrics): an OSError there (a full disk, a file-size
+    limit, a folder made read-only) ends the command with one line naming the file and the system's error. They
+    are written atomically (``checkpoint.write_atomic``), so the previous file is still there, whole."""
+    try:
+        yield
+    except OSError as e:
+        code = f" ({errno.errorcode[e.errno]})" if e.errno in errno.errorcode else ""
+        if e.filename:
+            name = Path(e.filename).name
+            raise RunFailure(f"could not write {e.filename}: {e.strerror}{code}; the previous {name}, if any, is "
+                             "kept whole") from e
+        raise RunFailure(f"could not write {e}") from e
 
 
 def run(prog: str, fn: Callable[[], int], debug: bool) -> int:

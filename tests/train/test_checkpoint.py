@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import random
+import resource
 import signal
 import subprocess
 import sys
@@ -116,3 +118,67 @@ def test_metrics_and_checkpoints_get_the_mode_a_plain_write_would(tmp_path):
     checkpoint.save({"epoch": 1}, tmp_path / "checkpoint.pt")
     for name in ("metrics.json", "checkpoint.pt"):
         assert (tmp_path / name).stat().st_mode & 0o777 == 0o666 & ~mask
+
+
+SHORT = ["--epochs", "3", "--steps-per-epoch", "2", "--eval-users", "50"]
+
+
+def _run_files(out):
+    return {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+
+
+def test_a_checkpoint_that_outgrows_the_file_size_limit_is_one_line_and_the_previous_one_stays(tmp_path):
+    # User trial (ulimit -f 2000; flexhstu train --resume): two chained tracebacks, OSError [Errno 27] File too
+    # large, then torch's RuntimeError from inline_container.cc.
+    out = tmp_path / "run"
+    train.main(TINY + SHORT + ["--stop-after", "1", "--out", str(out)])
+    before = _run_files(out)
+    limit = len(before["checkpoint.pt"]) // 2  # below a checkpoint, above the other files
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    done = subprocess.run([sys.executable, "-m", "flexhstu.train", *TINY, *SHORT, "--resume", "--out", str(out)],
+                          preexec_fn=small_files, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines() == [
+        f"flexhstu train: error: could not write {out}/checkpoint.pt: File too large (EFBIG); the previous "
+        "checkpoint.pt, if any, is kept whole"], done.stderr[-3000:]
+    assert _run_files(out) == before  # the checkpoint of epoch 1 is intact, and no temporary file is left
+    assert checkpoint.load(out / "checkpoint.pt")["epoch"] == 1
+
+
+@pytest.mark.parametrize("name", ["metrics.json", "metrics.png"])
+def test_run_outputs_that_cannot_be_written_are_one_line_and_the_previous_ones_stay(tmp_path, monkeypatch, capsys,
+                                                                                     name):
+    out = tmp_path / "run"
+    train.main(TINY + SHORT + ["--stop-after", "1", "--out", str(out)])
+    before = _run_files(out)
+    real = checkpoint.write_atomic
+
+    class Full:  # a file on a full disk: the first bytes go in, then the writes fail
+        def __init__(self, f):
+            self.f, self.left = f, 64
+
+        def write(self, data):
+            if len(data) > self.left:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            self.left -= len(data)
+            return self.f.write(data)
+
+        def __getattr__(self, attr):
+            return getattr(self.f, attr)
+
+    def full_disk(path, write):
+        if os.path.basename(path) != name:
+            return real(path, write)
+        return real(path, lambda f: write(Full(f)))
+
+    monkeypatch.setattr(checkpoint, "write_atomic", full_disk)
+    capsys.readouterr()
+    assert train.cli(TINY + SHORT + ["--resume", "--stop-after", "1", "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"flexhstu train: error: could not write {out}/{name}: No space left on device (ENOSPC); the "
+                   f"previous {name}, if any, is kept whole"], err
+    after = _run_files(out)
+    assert after[name] == before[name] and sorted(after) == sorted(before)  # no temporary file is left
