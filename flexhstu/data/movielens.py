@@ -265,6 +265,25 @@ def _read_cache(target: Path) -> pa.Table | None:
         return None
 
 
+def cache_folder(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The data cache's folder, made if missing: ``cache_dir``, else ``$FLEXHSTU_CACHE`` (when set and not empty),
+    else ``~/.cache/flexhstu``. An error names where the folder came from (a file there gave ``File exists``)."""
+    if cache_dir is not None:
+        arg, cache = "cache_dir", Path(cache_dir)
+    elif os.environ.get("FLEXHSTU_CACHE"):
+        arg, cache = "FLEXHSTU_CACHE", Path(os.environ["FLEXHSTU_CACHE"])
+    else:
+        arg, cache = "FLEXHSTU_CACHE (not set: ~/.cache/flexhstu)", Path.home() / ".cache" / "flexhstu"
+    if cache.exists() and not cache.is_dir():
+        raise ValueError(f"{arg}: expected a folder for the data cache, got '{cache}' (a file)")
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{arg}: expected a folder for the data cache, got '{cache}' (it cannot be made: "
+                         f"{e.strerror})") from e
+    return cache
+
+
 def load(data: str, cache_dir: str | os.PathLike | None = None, columns: dict[str, str] | None = None) -> Interactions:
     """``ml-100k``, ``synthetic``, a ratings file, or a Parquet file with the four columns; with ``columns``
     (``{"user": ..., "item": ..., "time": ..., "rating": ...}``, rating optional) any CSV or Parquet file.
@@ -288,8 +307,7 @@ def load(data: str, cache_dir: str | os.PathLike | None = None, columns: dict[st
         except (pa.ArrowException, OSError) as e:
             raise ValueError(f"{source}: expected a Parquet file, could not read it ({e})") from e
         return _to_interactions(table, str(source))
-    cache = Path(cache_dir or os.environ.get("FLEXHSTU_CACHE", Path.home() / ".cache" / "flexhstu"))
-    cache.mkdir(parents=True, exist_ok=True)
+    cache = cache_folder(cache_dir)
     target = _cache_path(source, cache)
     table = _read_cache(target) if target.exists() else None
     if table is None:

@@ -55,6 +55,21 @@ def test_ranking_without_an_eligible_user_is_an_error(tmp_path, monkeypatch):
                                                                                "--out", str(tmp_path / "run")])
 
 
+@pytest.mark.parametrize("where", ["file", "below a file"])
+def test_a_data_cache_that_is_not_a_folder_names_flexhstu_cache(tmp_path, monkeypatch, capsys, where):
+    # User trial: FLEXHSTU_CACHE naming a file gave "error: File exists: '...'", which does not say what was wrong.
+    blocker = tmp_path / "some.csv"
+    blocker.write_text("a,b\n")
+    cache = blocker if where == "file" else blocker / "cache"
+    monkeypatch.setenv("FLEXHSTU_CACHE", str(cache))
+    data = _ratings(tmp_path, 6)
+    assert train.cli(TINY[2:] + ["--data", data, "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    why = "a file" if where == "file" else "it cannot be made: Not a directory"
+    assert err == [f"flexhstu train: error: FLEXHSTU_CACHE: expected a folder for the data cache, got '{cache}' "
+                   f"({why})"], err
+
+
 @pytest.fixture(scope="module")
 def one_epoch(tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
