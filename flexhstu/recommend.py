@@ -50,13 +50,13 @@ class Recommender:
     def from_checkpoint(cls, path: str | Path, data: str | None = None, device="cpu") -> Recommender:
         """The best-validation weights of the run of ``path`` (a ``checkpoint.pt``); ``data`` replaces the run's
         ``--data`` path (same contents required)."""
-        from .train import SYNTHETIC_DEFAULTS, build_model  # train imports the models and the command line
+        from .train import SYNTHETIC_DEFAULTS, build_model, saved_config  # train imports the models and the CLI
 
         path = Path(path)
         device = checked_device(device)  # a bad device is not a bad checkpoint
         state = checkpoint.load(path, map_location=device)
         checkpoint.require(state, path, "config", "best")
-        config = state["config"]
+        config = saved_config(state, path)
         if "item_ids" not in state:
             raise ValueError(f"{path}: expected a checkpoint that records the data's ids (written by this flexhstu "
                              "version); train the run again")
@@ -77,8 +77,9 @@ class Recommender:
                              "events or ids differ from those the run trained on)")
         try:
             model = build_model(argparse.Namespace(**config), config["num_items"]).to(device)
-        except (AttributeError, KeyError, TypeError) as e:
-            raise ValueError(f"{path}: not a complete flexhstu run checkpoint (its configuration lacks {e})") from e
+        except (TypeError, ValueError) as e:  # a setting of the wrong kind (every key is there: saved_config)
+            raise ValueError(f"{path}: not a complete flexhstu run checkpoint (its configuration does not build "
+                             f"the run's model: {e})") from e
         best = state["best"]
         if best.get("dir"):  # a run with sharded embeddings: its best weights are a sharded folder beside the file
             checkpoint.load_sharded(path.parent / best["dir"], model)

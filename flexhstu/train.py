@@ -572,6 +572,27 @@ def run_config(a: argparse.Namespace, d: Splits) -> dict:
             "data_digest": d.digest, "lr": a.lr, "epochs": a.epochs}
 
 
+CONFIG_ALWAYS_RECORDED = ("task", "model", "data", "mask", "sla_k1", "sla_k2", "no_task_tokens", "dim", "layers",
+                          "heads", "max_len", "dropout", "negatives", "batch_size", "seed", "data_rows", "num_items",
+                          "lr", "epochs")
+"""The settings every flexhstu checkpoint has recorded; the others of ``FIXED_ON_RESUME`` came later."""
+
+
+def saved_config(state: dict, path: str | os.PathLike) -> dict:
+    """The run settings of a loaded checkpoint ``state``, as ``run_config`` makes them, for ``--resume`` and
+    ``flexhstu recommend`` alike. A setting added since the checkpoint was written had its default then; one that
+    every checkpoint records is required (``ValueError`` naming ``path`` and the key)."""
+    config = state["config"]
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: not a complete flexhstu run checkpoint (its configuration is a "
+                         f"{type(config).__name__}, not a dict)")
+    missing = [k for k in CONFIG_ALWAYS_RECORDED if k not in config]
+    if missing:
+        raise ValueError(f"{path}: not a complete flexhstu run checkpoint (its configuration lacks '{missing[0]}')")
+    parser = build_parser()
+    return {**{k: _default(parser, k) for k in FIXED_ON_RESUME}, "data_digest": None, **config}
+
+
 def resume(a: argparse.Namespace, d: Splits, out: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, device,
            rank: int) -> Progress:
     """Weights, optimizer and progress from ``out/checkpoint.pt`` (and the sharded folder it names), after checking
@@ -582,9 +603,8 @@ def resume(a: argparse.Namespace, d: Splits, out: Path, model: torch.nn.Module, 
                                 "start a new run)")
     state = checkpoint.load(ckpt, map_location=device)
     checkpoint.require(state, ckpt, "config", "epoch", "history", "best", *(() if "sharded" in state else ("opt",)))
-    saved, now = state["config"], run_config(a, d)
-    parser = build_parser()  # a setting added since the checkpoint was written had its default then
-    was = {k: saved.get(k, _default(parser, k)) for k in (*FIXED_ON_RESUME, "data_rows", "num_items", "data_digest")}
+    saved, now = saved_config(state, ckpt), run_config(a, d)
+    was = {k: saved[k] for k in (*FIXED_ON_RESUME, "data_rows", "num_items", "data_digest")}
     files = was["data"] not in BUILTIN_DATA and now["data"] not in BUILTIN_DATA
     if files and Path(was["data"]).name == Path(now["data"]).name:
         # The same file name, maybe elsewhere (a moved or copied project; older runs recorded a relative path):

@@ -119,6 +119,26 @@ def test_a_checkpoint_older_than_a_setting_resumes_with_the_settings_default(tmp
         train.main(argv + ["--resume", "--eval-users", "5"])
 
 
+def test_a_checkpoint_whose_configuration_lacks_a_key_is_named_alike_by_resume_and_recommend(one_epoch, tmp_path,
+                                                                                              capsys):
+    # User trial: recommend said "its configuration lacks 'Namespace' object has no attribute 'dim'" while
+    # train --resume accepted the same file without a word.
+    from flexhstu.cli.main import main
+
+    out = tmp_path / "r"
+    _copy(one_epoch, out)
+    ckpt = out / "checkpoint.pt"
+    state = checkpoint.load(ckpt)
+    del state["config"]["dim"]
+    checkpoint.save(state, ckpt)
+    want = f"error: {ckpt}: not a complete flexhstu run checkpoint (its configuration lacks 'dim')"
+    capsys.readouterr()
+    assert train.cli(TINY + ["--epochs", "3", "--resume", "--out", str(out)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"flexhstu train: {want}"]
+    assert main(["recommend", "--checkpoint", str(ckpt), "--users", "1"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"flexhstu recommend: {want}"]
+
+
 def test_resume_applies_a_new_learning_rate_and_more_epochs(one_epoch, tmp_path, capsys):
     out = _copy(one_epoch, tmp_path / "r")
     loud = [x for x in TINY if x != "--quiet"]  # the notes go to stderr unless --quiet
