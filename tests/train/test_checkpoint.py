@@ -14,6 +14,7 @@ import time
 
 import pytest
 import torch
+from children import run_child, shown
 
 from flexhstu import checkpoint, train
 
@@ -138,12 +139,12 @@ def test_a_checkpoint_that_outgrows_the_file_size_limit_is_one_line_and_the_prev
     def small_files():
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    done = subprocess.run([sys.executable, "-m", "flexhstu.train", *TINY, *SHORT, "--resume", "--out", str(out)],
-                          preexec_fn=small_files, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 1, done.stderr[-3000:]
+    done = run_child([sys.executable, "-m", "flexhstu.train", *TINY, *SHORT, "--resume", "--out", str(out)],
+                     preexec_fn=small_files)
+    assert done.returncode == 1, shown(done)
     assert done.stderr.strip().splitlines() == [
         f"flexhstu train: error: could not write {out}/checkpoint.pt: File too large (EFBIG); the previous "
-        "checkpoint.pt, if any, is kept whole"], done.stderr[-3000:]
+        "checkpoint.pt, if any, is kept whole"], shown(done)
     assert _run_files(out) == before  # the checkpoint of epoch 1 is intact, and no temporary file is left
     assert checkpoint.load(out / "checkpoint.pt")["epoch"] == 1
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from children import check_child, run_child, shown
 
 from flexhstu import checkpoint, distributed, train
 from flexhstu.cli.common import UserError
@@ -162,8 +163,7 @@ def test_sharded_and_unsharded_runs_train_the_same_parameters_and_resume_on_any_
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(HERE / "dist_runs.py"), str(tmp_path / "steps.json")]
-    done = subprocess.run(cmd, env=env, timeout=300, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
+    check_child(cmd, env=env)
     state = checkpoint.load(runs["rowwise"] / "checkpoint.pt")  # only the folders it names are kept
     assert sorted(p.name for p in (runs["rowwise"] / "sharded").iterdir()) == \
         sorted({Path(state["sharded"]).name, Path(state["best"]["dir"]).name})
@@ -217,7 +217,7 @@ def test_a_sharded_checkpoint_killed_mid_save_leaves_a_complete_one(tmp_path):
     rng = random.Random(0)
     _, _, model, opt = sharded_run()
     table = model.encoder.items.weight
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
     for _ in range(2):  # each start costs seconds (imports); a save takes tens of milliseconds
         proc = subprocess.Popen([sys.executable, "-c", SAVER, str(tmp_path)], stdout=subprocess.PIPE, text=True,
                                 env=env)
@@ -252,14 +252,24 @@ def test_a_folder_refused_on_rank_0_stops_every_rank(tmp_path):
     out = tmp_path / "locked"
     out.mkdir()
     train.lock_run(out)
-    try:
-        t0 = time.monotonic()
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                               "-m", "flexhstu.train", *TINY, "--epochs", "1", "--out", str(out)],
-                              capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:  # a rank left waiting would hold the launch until gloo's 30-minute timeout: run_child's ends it first
+        done = run_child([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "flexhstu.train", *TINY, "--epochs", "1", "--out", str(out)],
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
     finally:
         train.unlock_run(out)
-    err = done.stderr
-    assert done.returncode != 0 and time.monotonic() - t0 < 200, err[-2000:]
-    assert err.count("flexhstu train: error: --out: expected a folder no other flexhstu train is writing") == 2, \
-        err[-2000:]  # each rank says it in one line
+    assert done.returncode != 0, shown(done)
+    assert done.stderr.count("flexhstu train: error: --out: expected a folder no other flexhstu train is "
+                             "writing") == 2, shown(done)  # each rank says it in one line
+
+
+def test_a_child_that_fails_or_hangs_is_shown_with_its_output():
+    # A torchrun test failed once on a loaded machine with the ranks' output captured and never shown.
+    fails = [sys.executable, "-c", "import sys; print('rank said this'); sys.exit('and this on stderr')"]
+    with pytest.raises(AssertionError) as e:
+        check_child(fails)
+    assert "exit status 1" in str(e.value) and "rank said this" in str(e.value) and "and this on stderr" in str(e.value)
+    hangs = [sys.executable, "-c", "import subprocess, sys, time; print('started', flush=True); "
+             "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); time.sleep(600)"]
+    with pytest.raises(pytest.fail.Exception, match=r"ran past 5 s and was killed(.|\n)*started"):
+        run_child(hangs, timeout=5)

@@ -6,12 +6,12 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
+from children import check_child
 
 from flexhstu import train
 from flexhstu.data import load, synthetic
@@ -141,7 +141,7 @@ def test_two_cpu_processes_stay_in_sync(tmp_path):
     # --standalone: a local rendezvous on a free port, so parallel runs (or anything on a fixed port) cannot collide
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "flexhstu.train", *TINY, "--epochs", "1", "--out", str(tmp_path)]
-    subprocess.run(cmd, check=True, env=env, timeout=300, capture_output=True)
+    check_child(cmd, env=env)  # on a failure, the message holds the ranks' output
     sums = [json.loads((tmp_path / f"rank{r}.json").read_text())["checksum"] for r in (0, 1)]
     assert sums[0] == sums[1]
 
