@@ -164,8 +164,8 @@ def build_parser() -> Parser:
     p.add_argument("--no-checkpoint", action="store_true",
                    help="write no checkpoint (benchmarks); the test metrics are then the last epoch's")
     p.add_argument("--out", default=None,
-                   help="the run's folder (default: a new runs/<date>-<time>-<model>-<mask>, and runs/latest "
-                        "points to it; with --resume: runs/latest)")
+                   help="the run's folder, not a filesystem root or the home folder itself (default: a new "
+                        "runs/<date>-<time>-<model>-<mask>, and runs/latest points to it; with --resume: runs/latest)")
     p.add_argument("--resume", action="store_true",
                    help="continue from OUT/checkpoint.pt (which must exist). Refused if any of "
                         + ", ".join("--" + k.replace("_", "-") for k in FIXED_ON_RESUME)
@@ -343,10 +343,21 @@ def resolve_out(a: argparse.Namespace, rank: int, world: int) -> Path:
     return Path(shared[0])
 
 
+def refuse_shared_folder(out: Path) -> None:
+    """``--out`` naming a folder that holds much besides a run (a filesystem root, the home folder itself) is a
+    slip (``--out /``, ``--out ~`` for ``~/run``): the run would scatter its files and .lock among the user's."""
+    where = out.resolve()
+    why = ("the filesystem root" if where == Path(where.anchor) else
+           "the home folder itself" if where == Path.home().resolve() else None)
+    if why:
+        raise ValueError(f"--out: expected a folder of its own for the run (e.g. runs/NAME), got {out} ({why})")
+
+
 def _claim_out(a: argparse.Namespace) -> Path:
     """``resolve_out`` on rank 0: the folder, made, checked (no other run in it) and locked."""
     if a.out is not None:
         out = Path(a.out)
+        refuse_shared_folder(out)
     elif a.resume:
         latest = RUNS / "latest"
         if not latest.exists():

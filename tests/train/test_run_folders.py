@@ -169,3 +169,21 @@ def test_the_plot_is_written_atomically(tmp_path, monkeypatch):
     train.plot([{"epoch": 1, "loss": 1.0, "valid HR@10": 0.1, "valid NDCG@10": 0.05}], tmp_path / "metrics.png",
                "title", 1)
     assert seen == ["metrics.png"] and (tmp_path / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("where", ["root", "home"])
+def test_a_filesystem_root_or_the_home_folder_is_refused_as_out(tmp_path, monkeypatch, capsys, where):
+    # User trial: --out / was accepted and wrote the run (checkpoint.pt, metrics.json, .lock...) into /.
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+
+    def claimed(out):  # were the folder accepted, nothing may be written into / here
+        raise AssertionError(f"the run claimed {out}")
+
+    monkeypatch.setattr(train, "lock_run", claimed)
+    out = "/" if where == "root" else str(tmp_path / "home" / ".." / "home")
+    assert train.cli(TINY + ["--epochs", "1", "--steps-per-epoch", "1", "--out", out]) == 2
+    why = "the filesystem root" if where == "root" else "the home folder itself"
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"flexhstu train: error: --out: expected a folder of its own for the run (e.g. runs/NAME), got {out} ({why})"]
+    assert list((tmp_path / "home").iterdir()) == []
