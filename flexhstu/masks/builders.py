@@ -147,9 +147,10 @@ def sla(
     target ``i >= Hb``   ``[0, Hb)`` (all history, not itself)
     ===================  ==============================================
 
-    Width 3.
+    Width 3. ``sla_k1 >= 1``: the local window holds the row itself (0 would hide every history row past the
+    prefix from itself, as ``flexhstu train --sla-k1`` refuses).
     """
-    k1 = as_span("sla_k1", sla_k1)
+    k1 = as_span("sla_k1", sla_k1, 1)
     k2 = as_span("sla_k2", sla_k2)
     c = as_span("contextual_seq_len", contextual_seq_len)
     total, checked = _prepare(seq_offsets, total)

@@ -67,7 +67,7 @@ def test_target_row_under_slid_window_needs_three_intervals():
 
 
 @given(
-    data=st.data(), lengths=lengths_st, dtype=offset_dtype_st, k1=st.integers(0, 6), k2=st.integers(0, 5),
+    data=st.data(), lengths=lengths_st, dtype=offset_dtype_st, k1=st.integers(1, 6), k2=st.integers(0, 5),
     c=st.integers(0, 4), use_targets=st.booleans(),
 )
 def test_sla_matches_the_seed_rule(data, lengths, dtype, k1, k2, c, use_targets):
@@ -81,11 +81,19 @@ def test_sla_matches_the_seed_rule(data, lengths, dtype, k1, k2, c, use_targets)
     assert torch.equal(masks.to_dense(func, offs, n), want)
 
 
+def test_sla_refuses_a_local_window_of_zero_as_the_cli_does():
+    # User trial: --sla-k1 0 was refused by the command line but masks.sla built a mask in which history rows past
+    # the prefix could not see themselves.
+    with pytest.raises(ValueError, match=r"^sla_k1: expected an int >= 1, got 0$"):
+        masks.sla(offsets_from([5, 4]), 0, 2)
+
+
 @given(lengths=lengths_st)
 def test_sla_with_full_window_and_no_prefix_is_causal(lengths):
     offs = offsets_from(lengths)
     n = max(lengths)
-    assert torch.equal(masks.to_dense(masks.sla(offs, n, 0), offs, n), masks.to_dense(masks.causal(offs), offs, n))
+    k1 = max(n, 1)  # a window as long as every sequence (K1 >= 1)
+    assert torch.equal(masks.to_dense(masks.sla(offs, k1, 0), offs, n), masks.to_dense(masks.causal(offs), offs, n))
 
 
 @given(

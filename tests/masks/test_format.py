@@ -125,7 +125,7 @@ def test_validate_accepts_builder_output_and_names_bad_arguments():
 
 def test_builders_reject_bad_parameters():
     offs = offsets_from([5, 4])
-    with pytest.raises(ValueError, match=r"sla_k1: expected a non-negative int, got -1"):
+    with pytest.raises(ValueError, match=r"sla_k1: expected an int >= 1, got -1"):
         masks.sla(offs, -1, 2)
     with pytest.raises(ValueError, match=r"sla_k2: expected a non-negative int, got -3"):
         masks.sla(offs, 1, -3)
