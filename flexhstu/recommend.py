@@ -156,13 +156,17 @@ def _distinct(ids: list) -> list:
     return list(first.values())
 
 
+DEFAULT_K = 10  # items per user without --k and --candidates
+
+
 def build_parser() -> Parser:
     p = Parser(prog="flexhstu recommend", description="Top-K items per user from a trained run, in the data's ids.")
     p.add_argument("--checkpoint", default="runs/latest/checkpoint.pt", help="the run's checkpoint.pt")
     p.add_argument("--users", required=True,
                    help="comma-separated user ids of the run's data, e.g. 1,2,3 (an id with a comma in double "
                         "quotes: '\"a,b\",c')")
-    p.add_argument("--k", type=positive_int, default=10, help="items per user")
+    p.add_argument("--k", type=positive_int, default=None,
+                   help=f"items per user (not given: {DEFAULT_K}, or every candidate with --candidates)")
     p.add_argument("--candidates", default=None,
                    help="comma-separated item ids to rank (required for a ranking model; else the whole catalogue)")
     p.add_argument("--include-seen", action="store_true",
@@ -196,13 +200,14 @@ def cli(argv=None) -> int:
             raise UserError(f"--candidates: expected comma-separated item ids, got '{a.candidates}'")
         with user_input():
             rec = Recommender.from_checkpoint(a.checkpoint, data=a.data, device=a.device)
-            answers = rec.recommend(users, a.k, candidates=candidates, include_seen=a.include_seen)
+            k = a.k or (len(candidates) if candidates else DEFAULT_K)
+            answers = rec.recommend(users, k, candidates=candidates, include_seen=a.include_seen)
         if rec.ranking:
             print("scores: " + ", ".join(TASKS))
         for r in answers:
             scores = [f"{s:.4f}" if np.ndim(s) == 0 else "/".join(f"{x:.3f}" for x in s) for s in r.scores]
             print(f"user {r.user}: " + ", ".join(f"{i} ({s})" for i, s in zip(r.items, scores)))
-            if len(r.items) < a.k:  # fewer than --k exist: all are listed, and the user is told
+            if a.k is not None and len(r.items) < a.k:  # fewer than --k exist: all are listed, and the user is told
                 pool = "candidates" if candidates else "items" if a.include_seen else "unseen items"
                 print(f"flexhstu recommend: --k {a.k}: user {r.user} has only {len(r.items)} {pool}; all are listed",
                       file=sys.stderr)

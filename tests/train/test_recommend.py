@@ -102,6 +102,18 @@ def test_a_k_beyond_the_users_unseen_items_lists_them_all_and_says_so(csv_run, c
     assert capsys.readouterr().err == ""
 
 
+def test_candidates_without_k_are_all_ranked_without_a_note_about_k(csv_run, capsys):
+    # User trial: --candidates i1,i2,i3 without --k printed "--k 10: user u1 has only 3 candidates", about an
+    # option the user never gave.
+    root, _ = csv_run
+    ckpt = str(root / "run" / "checkpoint.pt")
+    assert main(["recommend", "--checkpoint", ckpt, "--users", "u1", "--candidates", "i1,i2,i3"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == "" and captured.out.count("(") == 3
+    assert main(["recommend", "--checkpoint", ckpt, "--users", "u1"]) == 0  # the catalogue: the top 10
+    assert capsys.readouterr().out.count("(") == 10
+
+
 def test_a_ranking_model_scores_the_given_candidates_per_task(tmp_path):
     train.main(TINY + ["--data", "synthetic", "--task", "ranking", "--model", "onerank", "--out", str(tmp_path)])
     rec = Recommender.from_checkpoint(tmp_path / "checkpoint.pt")
