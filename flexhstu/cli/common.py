@@ -104,13 +104,20 @@ def non_negative_int(text: str) -> int:
     return _int_at_least(text, 0)
 
 
+INT64_MAX = 2**63 - 1
+
+
 def _int_at_least(text: str, low: int) -> int:
+    """An int from ``low`` to ``INT64_MAX``: every count, size and id goes into int64 tensors and arrays, where a
+    larger one overflowed (``Overflow when unpacking long long``) or turned float (``got double``)."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got '{text}'") from None
     if value < low:
         raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+    if value > INT64_MAX:
+        raise argparse.ArgumentTypeError(f"expected an integer from {low} to 2^63 - 1 (int64), got {value}")
     return value
 
 

@@ -112,8 +112,9 @@ def _read_raw(path: Path) -> dict[str, np.ndarray]:
             text = r[j].strip() if j < len(r) else ""
             try:
                 values.append(parse(text))
-            except ValueError:
-                raise ValueError(f"{path}, line {n}, column '{c}': expected {kind}, got '{text}'") from None
+            except ValueError as e:
+                why = f" ({e})" if str(e) == "outside the int64 range" else ""
+                raise ValueError(f"{path}, line {n}, column '{c}': expected {kind}, got '{text}'{why}") from None
         cols[c] = np.array(values, dtype=dtype)
     return cols
 
@@ -222,6 +223,26 @@ def parse_columns(text: str) -> dict[str, str]:
     return mapping
 
 
+def _refuse_ints_beyond_int64(source: Path, table: pa.Table, columns: dict[str, str]) -> None:
+    """Arrow reads a CSV column of integers that int64 cannot hold as doubles, which ``_check_table`` reported as
+    "expected integers, got double". For an id or time column read as doubles, the first integer outside int64 is
+    named instead (the column is read again as text: only on this error path)."""
+    for key in ("user", "item", "time"):
+        column = columns[key]
+        if not pa.types.is_floating(table.schema.field(column).type):
+            continue
+        text = pacsv.read_csv(source, convert_options=pacsv.ConvertOptions(
+            include_columns=[column], column_types={column: pa.string()})).column(column).to_pylist()
+        for row, value in enumerate(text, start=1):
+            try:
+                number = int(value.strip())
+            except (AttributeError, ValueError):  # empty, or not an integer: _check_table's message says it
+                continue
+            if not INT64_RANGE[0] <= number <= INT64_RANGE[1]:
+                raise ValueError(f"{source}: column '{column}' (--columns {key}={column}) expected integers from "
+                                 f"-2^63 to 2^63 - 1 (int64), got {value.strip()} (data row {row})")
+
+
 def _read_mapped(source: Path, columns: dict[str, str]) -> Interactions:
     """A CSV or Parquet file of interactions whose columns ``columns`` names; a missing rating is 1.0."""
     try:
@@ -237,6 +258,8 @@ def _read_mapped(source: Path, columns: dict[str, str]) -> Interactions:
         if column not in table.column_names:
             raise ValueError(f"{source}: expected column '{column}' (--columns {key}={column}), missing "
                              f"(found {table.column_names})")
+    if source.suffix == ".csv":
+        _refuse_ints_beyond_int64(source, table, columns)
     rating = table.column(columns["rating"]) if "rating" in columns else pa.array(np.ones(table.num_rows))
     picked = pa.table({"user": table.column(columns["user"]), "item": table.column(columns["item"]),
                        "rating": rating, "timestamp": table.column(columns["time"])})

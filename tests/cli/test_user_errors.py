@@ -27,6 +27,11 @@ def _status(argv) -> int:
     (["show-mask", "sla", "--lengths", "20,4", "--targets", "1"], "--targets: expected 2 values"),
     (["show-mask", "sla", "--lengths", "20", "--sla-k1", "0"], "argument --sla-k1: expected an integer >= 1, got 0"),
     (["show-mask", "sla", "--lengths", "20,600"], "--lengths: expected lengths up to 512"),
+    # User trial: integers beyond int64 gave "Overflow when unpacking long long" or "Maximum allowed dimension".
+    (["show-mask", "sla", "--lengths", "5", "--targets", "99999999999999999999"],
+     "argument --targets: expected an integer from 0 to 2^63 - 1 (int64), got 99999999999999999999"),
+    (["train", "--data", "synthetic", "--synthetic-users", "99999999999999999999"],
+     "argument --synthetic-users: expected an integer from 1 to 2^63 - 1 (int64), got 99999999999999999999"),
     (["show-mask", "causal", "--lengths", "1,2,3,4,5,6,7,8,9"], "--lengths: expected at most 8 sequences"),
     (["show-mask", "sla", "--lengths", "20", "--k1", "3"], "unrecognized arguments: --k1 3"),
     (["train", "--data", "synthetic", "--out", "/dev/null/run"], "--out: Not a directory"),

@@ -148,6 +148,29 @@ def test_a_mapped_file_names_itself_and_the_bad_column(tmp_path, columns, msg):
         load(str(_events(tmp_path)), columns=columns)
 
 
+@pytest.mark.parametrize("key,column", [("user", "uid"), ("item", "iid"), ("time", "ts")])
+def test_an_integer_beyond_int64_in_a_mapped_csv_is_named_as_out_of_range(tmp_path, key, column):
+    # User trial: an id of 99999999999999999999 was reported as "expected integers, got double" (Arrow reads a
+    # column of integers that int64 cannot hold as doubles).
+    big = "99999999999999999999"
+    rows = {"uid": ["1", "2", "1"], "iid": ["7", "8", "8"], "ts": ["10", "11", "12"]}
+    rows[column][1] = big
+    f = tmp_path / "events.csv"
+    f.write_text("uid,iid,ts\n" + "".join(f"{u},{i},{t}\n" for u, i, t in zip(*rows.values())))
+    with pytest.raises(ValueError) as e:
+        load(str(f), columns={"user": "uid", "item": "iid", "time": "ts"})
+    assert str(e.value) == (f"{f}: column '{column}' (--columns {key}={column}) expected integers from -2^63 to "
+                            f"2^63 - 1 (int64), got {big} (data row 2)")
+
+
+def test_an_integer_beyond_int64_in_a_ratings_file_says_so(tmp_path):
+    f = tmp_path / "ratings.csv"
+    f.write_text("userId,movieId,rating,timestamp\n1,10,4.5,100\n-99999999999999999999,10,4.5,100\n")
+    with pytest.raises(ValueError, match=r"line 3, column 'user': expected an integer, got '-99999999999999999999' "
+                                         r"\(outside the int64 range\)$"):
+        load(str(f), cache_dir=tmp_path / "cache")
+
+
 def test_column_mappings_are_parsed_and_checked():
     from flexhstu.data.movielens import parse_columns
 
