@@ -930,7 +930,8 @@ def throughput_line(t: dict) -> str:
 
 
 def main(argv=None) -> dict:
-    """Train and evaluate as ``argv`` says; returns what ``metrics.json`` holds. Input errors raise ``UserError``."""
+    """Train and evaluate as ``argv`` says; returns what ``metrics.json`` holds. Input errors raise ``UserError``; a
+    run that cannot finish (a non-finite loss, a file that cannot be written) raises ``RunFailure``."""
     return train(parse(argv))
 
 
@@ -1044,7 +1045,8 @@ def checksum(model: torch.nn.Module) -> float:
 
 
 def cli(argv=None) -> int:
-    """The command: exit status 0, or 2 with one line on stderr for an input error."""
+    """The command: exit status 0; 2 with one line on stderr for an input error; 1 with one line for a run that
+    cannot finish (training diverged, a file could not be written)."""
     a = parse(argv)
 
     def command() -> int:
