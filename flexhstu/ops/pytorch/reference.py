@@ -68,8 +68,9 @@ def pytorch_hstu_mha(
     s = torch.einsum("bihd,bjhd->bhij", qp, kp) * alpha
     if bias is not None:
         s = s + _dense_bias(bias, offs, n).to(work)
-    # Hidden scores become 0 before silu: silu(0) = 0, and where sends them no gradient.
-    s = torch.where(visible, s, 0.0)
+    # Hidden scores become 0 before silu: silu(0) = 0, and where sends them no gradient. A score that
+    # overflowed to -inf is raised to the lowest finite value, where silu is -0 rather than -inf * 0 = NaN.
+    s = torch.where(visible, s.clamp(min=torch.finfo(s.dtype).min), 0.0)
     if attn_scale is None:
         a = F.silu(s) / scaling_seqlen
     else:

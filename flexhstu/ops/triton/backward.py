@@ -24,7 +24,7 @@ from .memory import load_rows, tile_mask, tile_ptrs
 from .plan import block_is_full, interval_visibility
 from .query_major import query_major_program
 from .rules import MODE_CAUSAL, causal_bounds, head_func, sequence_targets
-from .silu import sigmoid
+from .silu import finite_below, sigmoid
 from .tables import first_block, locate_block
 
 
@@ -42,6 +42,7 @@ def dq_block(q, do, K, V, h, seq_start, L, n0, rows, alpha, BLOCK_N: tl.constexp
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * alpha
     if HAS_BIAS:
         s = query_major_bias(s, BIAS, BROWS, h, seq_start, L, rows, cols, n0, WIDE_TIMES)
+    s = finite_below(s)
     sig = sigmoid(s, FAST_SIGMOID)
     ds = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION) * sig * (1.0 + s * (1.0 - sig))
     if CAUSAL_MASK:
@@ -151,6 +152,7 @@ def hstu_backward_dkdv_kernel(
                             if m0 < L:  # always: keeps the pipeliner off the bias loads (bias.PIPELINE_GUARD)
                                 s = add_bias(s, BIAS, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, True,
                                              copy == 1)
+                        s = finite_below(s)
                         sig = sigmoid(s, FAST_SIGMOID)
                         p = s * sig
                         dsilu = sig * (1.0 + s * (1.0 - sig))

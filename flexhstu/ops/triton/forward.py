@@ -8,7 +8,7 @@ import triton.language as tl
 from .bias import query_major_bias
 from .memory import load_rows
 from .query_major import query_major_program
-from .silu import sigmoid
+from .silu import finite_below, sigmoid
 
 
 @triton.jit
@@ -29,6 +29,7 @@ def attend(q, do, K, V, h, seq_start, L, n0, rows, alpha, BLOCK_N: tl.constexpr,
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * alpha
     if HAS_BIAS:
         s = query_major_bias(s, BIAS, BROWS, h, seq_start, L, rows, cols, n0, WIDE_TIMES)
+    s = finite_below(s)
     p = s * sigmoid(s, FAST_SIGMOID)
     if CAUSAL_MASK:
         p = tl.where(cols[None, :] <= rows[:, None], p, 0.0)

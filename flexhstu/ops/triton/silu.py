@@ -1,4 +1,4 @@
-"""The sigmoid of SiLU, one MUFU instruction on the GPU."""
+"""The sigmoid of SiLU, one MUFU instruction on the GPU, and the scores it is taken of."""
 
 from __future__ import annotations
 
@@ -16,3 +16,13 @@ def sigmoid(x, FAST_SIGMOID: tl.constexpr):
         return 0.5 + 0.5 * t
     else:
         return 1.0 / (1.0 + tl.exp2(-x * 1.4426950408889634))
+
+
+@triton.jit
+def finite_below(s):
+    """``s`` with -inf raised to float32's lowest finite value; NaN stays NaN.
+
+    A score that overflows to -inf (a huge ``alpha`` or huge q, k) has silu 0 in exact arithmetic, but
+    ``-inf * sigmoid(-inf)`` is NaN; at the lowest finite value the product is -0. One min/max per score.
+    """
+    return tl.maximum(s, -3.4028234663852886e38, propagate_nan=tl.PropagateNan.ALL)
