@@ -89,7 +89,8 @@ def _case_inputs(case: str, device: torch.device):
         q = torch.randn(12, 2, 32, device=device, dtype=torch.bfloat16)
         return Delta(), (q, kv[0], kv[1], offs), None
     from flexhstu import Kernel
-    from flexhstu.bench_serving import Setup, build_model, example_inputs
+    from flexhstu.bench.serving_aoti import example_inputs
+    from flexhstu.bench.serving_setup import Setup, build_model
     from flexhstu.serving.export import MicroBatchScorer, scorer_dynamic_shapes
 
     backend = Kernel.PYTORCH if case == "scorer-ref" else Kernel.TRITON

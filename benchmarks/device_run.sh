@@ -9,10 +9,10 @@
 #   bias     the relative attention bias in the kernels vs the same kernels without it (benchmarks/bench_bias.py)
 #   bias-ablate  where the bias's time goes: the bias with one part of its work taken out at a time
 #            (benchmarks/bias_ablations.py, causal; ABLATE_ONLY=causal,sla for both)
-#   stu      the STU model step (flexhstu/bench_stu.py --suite), step time and peak memory
-#   serving  cached delta scoring vs full recompute (flexhstu/bench_serving.py --quick)
+#   stu      the STU model step (flexhstu/bench/stu.py --suite), step time and peak memory
+#   serving  cached delta scoring vs full recompute (flexhstu/bench/serving.py --quick)
 #   aoti-probe  which small AOTInductor packages compile, load and run (benchmarks/aoti_probe.py, a process each)
-#   aoti     the micro-batch scorer compiled with AOTInductor vs eager (flexhstu/bench_serving.py --aoti --quick)
+#   aoti     the micro-batch scorer compiled with AOTInductor vs eager (flexhstu/bench/serving.py --aoti --quick)
 #   serving-profile  host and device time of the scoring paths, bf16 vs float32 scores (benchmarks/profile_serving.py)
 #   seeds    the 5-seed model table (tools/run_seeds.sh; needs ml-100k.inter in .data/)
 #   profile  per-kernel device time and host time per call
@@ -53,17 +53,17 @@ for s in $stages; do
       for i in $(seq 0 $((parts - 1))); do echo "-- part $i: $(tail -n 1 "$OUT/check-$i.log")"; done
       grep -h "^FAILED\|^ERROR" "$OUT"/check-*.log ;;
     compile) run compile 120 python3 benchmarks/compile_check.py ;;
-    bench) run bench 330 python3 benchmarks/bench.py --json "$OUT/bench.json" ;;
+    bench) run bench 330 python3 -m flexhstu.bench --suite --json "$OUT/bench.json" ;;
     graphs) run graphs 200 python3 benchmarks/graph_check.py ;;
     bias) run bias 240 python3 benchmarks/bench_bias.py --kernels --json "$OUT/bias.json" ${BIAS_ARGS:-} ;;
     bias-ablate) run bias-ablate 480 python3 benchmarks/bias_ablations.py --only "${ABLATE_ONLY:-causal}" \
                    --out "$OUT/bias-ablations" ;;
     aoti-probe) run aoti-probe 420 python3 benchmarks/aoti_probe.py --log-dir "$OUT/aoti-probe" ;;
-    stu) run stu 220 python3 -m flexhstu.bench_stu --suite --dropout 0 --variants eager lean default \
+    stu) run stu 220 python3 -m flexhstu.bench.stu --suite --dropout 0 --variants eager lean default \
            --json "$OUT/stu.json" ;;
-    serving) run serving 200 python3 -m flexhstu.bench_serving --quick --json "$OUT/serving.json" ;;
+    serving) run serving 200 python3 -m flexhstu.bench.serving --quick --json "$OUT/serving.json" ;;
     serving-profile) run serving-profile 150 python3 benchmarks/profile_serving.py --out "$OUT/profile-serving" ;;
-    aoti) run aoti 420 python3 -m flexhstu.bench_serving --aoti --quick --json "$OUT/aoti.json" ;;
+    aoti) run aoti 420 python3 -m flexhstu.bench.serving --aoti --quick --json "$OUT/aoti.json" ;;
     seeds) OMP_NUM_THREADS=1 run seeds "${SEEDS_LIMIT:-300}" bash tools/run_seeds.sh --data .data/ml-100k.inter \
              --root /tmp/seeds -j 14
            python3 tools/models_table.py /tmp/seeds > "$OUT/seeds-table.md" 2>&1

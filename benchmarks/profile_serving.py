@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD python3 benchmarks/profile_serving.py [--users 1] [--micro-batch 256] [--out DIR]
 
-The model and inputs of ``flexhstu.bench_serving`` (OneRank, 4 STU layers of 512, history 16384, 2048
+The model and inputs of ``flexhstu.bench.serving`` (OneRank, 4 STU layers of 512, history 16384, 2048
 candidates of group size 4). Prints:
 
 * per path (full recompute, cached in micro-batches, cached all at once): wall time per request, host time
@@ -24,7 +24,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from flexhstu import Kernel
-from flexhstu import bench_serving as bs
+from flexhstu.bench import serving_setup as bs
 from flexhstu.serving import HistoryCache
 
 WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "cudaEventSynchronize")

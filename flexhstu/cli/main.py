@@ -224,11 +224,7 @@ def _recommend_main(rest: list[str]) -> int:
 
 
 def _bench_main(rest: list[str]) -> int:
-    if "--serving" in rest:  # the serving benchmark parses its own options (flexhstu bench --serving --help)
-        from .. import bench_serving
-
-        return bench_serving.main([x for x in rest if x != "--serving"])
-    from .. import bench
+    from .. import bench  # --model-step and --serving pick the benchmark, which parses its own options
 
     return bench.main(rest)
 

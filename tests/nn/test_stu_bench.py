@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from flexhstu import bench_stu
+from flexhstu.bench import stu
 
 TINY = ["--device", "cpu", "--layers", "2", "--dim", "16", "--heads", "2", "--head-dim", "8", "--batch", "3",
         "--seq", "12", "--jagged-min", "0", "--jagged-max", "20", "--window", "4", "--sla-k1", "4", "--sla-k2", "2",
@@ -17,9 +17,9 @@ TINY = ["--device", "cpu", "--layers", "2", "--dim", "16", "--heads", "2", "--he
 def test_suite_writes_one_row_per_configuration_and_variant(tmp_path, capsys):
     out = tmp_path / "rows.json"
     variants = ["eager", "lean", "default"]  # the compiled ones are the next test's (compiling is slow on the CPU)
-    assert bench_stu.main(TINY + ["--suite", "--variants", *variants, "--json", str(out)]) == 0
+    assert stu.main(TINY + ["--suite", "--variants", *variants, "--json", str(out)]) == 0
     rows = json.loads(out.read_text())
-    configs = [f"{m} {k}" for m, k in bench_stu.SUITE]
+    configs = [f"{m} {k}" for m, k in stu.SUITE]
     assert [(r["config"].rsplit(" ", 2)[0], r["variant"]) for r in rows] == [(c, v) for c in configs for v in variants]
     assert all(r["step_ms"] > 0 and r["peak_gib"] is None for r in rows)
     assert rows[0]["total"] == 3 * 12 and rows[0]["max_seq_len"] == 12
@@ -31,14 +31,14 @@ def test_suite_writes_one_row_per_configuration_and_variant(tmp_path, capsys):
 
 def test_compiled_variants_run(tmp_path):
     out = tmp_path / "rows.json"
-    assert bench_stu.main(TINY + ["--mask", "sla", "--variants", "compiled", "lean+compiled", "--json", str(out)]) == 0
+    assert stu.main(TINY + ["--mask", "sla", "--variants", "compiled", "lean+compiled", "--json", str(out)]) == 0
     assert [r["variant"] for r in json.loads(out.read_text())] == ["compiled", "lean+compiled"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error given without a CUDA device")
 def test_cuda_device_without_a_gpu_is_a_clear_error(capsys):
     with pytest.raises(SystemExit) as e:
-        bench_stu.main(["--variants", "eager"])
+        stu.main(["--variants", "eager"])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("flexhstu bench --model-step: error: --device: expected cpu here"), err
@@ -55,6 +55,6 @@ def test_cuda_device_without_a_gpu_is_a_clear_error(capsys):
 ])
 def test_bad_sizes_name_the_option(args, words, capsys):
     with pytest.raises(SystemExit) as e:
-        bench_stu.main(TINY + args)
+        stu.main(TINY + args)
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and words in err[0], err

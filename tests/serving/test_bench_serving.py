@@ -9,8 +9,9 @@ import os
 import pytest
 import torch
 
-from flexhstu import bench_serving
+from flexhstu.bench import serving, serving_aoti
 from flexhstu.cli import main as cli_main
+from flexhstu.models import OneRankModel
 
 TINY = ["--device", "cpu", "--dtype", "float32", "--backend", "pytorch", "--hist", "5,8", "--cands", "3",
         "--micro-batch", "2,all", "--layers", "1", "--users", "1,2", "--dim", "16", "--heads", "2", "--samples", "2",
@@ -21,7 +22,7 @@ interpreting = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 
 def run(args, tmp_path) -> tuple[int, list[dict]]:
     out = tmp_path / "rows.json"
-    status = bench_serving.main(args + ["--json", str(out)])
+    status = serving.main(args + ["--json", str(out)])
     return status, json.loads(out.read_text())["rows"]
 
 
@@ -59,14 +60,14 @@ def test_kernel_rows_count_the_visible_pairs_exactly(tmp_path):
 
 
 def test_out_of_memory_becomes_the_rows_status_and_the_run_goes_on(tmp_path, monkeypatch):
-    real = bench_serving.OneRankModel.score_cached
+    real = OneRankModel.score_cached
 
     def short_of_memory(self, cache, users, cand_items, cand_offsets, micro_batch=None, cuda_graphs=None):
         if micro_batch == 2:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return real(self, cache, users, cand_items, cand_offsets, micro_batch=micro_batch, cuda_graphs=cuda_graphs)
 
-    monkeypatch.setattr(bench_serving.OneRankModel, "score_cached", short_of_memory)
+    monkeypatch.setattr(OneRankModel, "score_cached", short_of_memory)
     status, rows = run(TINY + ["--part", "scoring", "--hist", "5", "--users", "2"], tmp_path)
     assert status == 0
     assert [(r["path"], r["micro_batch"], r["status"]) for r in rows] == [
@@ -104,7 +105,7 @@ def test_aoti_scores_beyond_the_tolerance_fail_the_run(tmp_path, monkeypatch, ca
     def off_by_a_percent(scorer, example, package_path):  # stands in for the compiler: eager scores, 1% off
         return lambda *inputs: scorer(*inputs) * 1.01
 
-    monkeypatch.setattr(bench_serving, "compile_scorer", off_by_a_percent)
+    monkeypatch.setattr(serving_aoti, "compile_scorer", off_by_a_percent)
     args = TINY + ["--aoti", "--hist", "6", "--users", "2", "--micro-batch", "all"]
     status, rows = run(args, tmp_path)
     assert status == 1
@@ -139,8 +140,8 @@ def test_option_mistakes_are_one_line_naming_the_option(args, words, capsys):
 
 
 def test_quick_is_the_subset_and_given_options_still_apply():
-    a = bench_serving.parse(["--quick", "--device", "cpu", "--users", "4"])
+    a = serving.parse(["--quick", "--device", "cpu", "--users", "4"])
     assert (a.hist, a.cands, a.micro_batch, a.layers, a.users) == ([16384], [2048], [256, None], [4], [4])
-    full = bench_serving.parse(["--device", "cpu"])
+    full = serving.parse(["--device", "cpu"])
     assert (full.hist, full.cands, full.micro_batch, full.layers, full.users) == (
         [4096, 16384], [512, 2048], [64, 256, None], [2, 4, 8], [1, 8, 32])

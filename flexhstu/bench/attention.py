@@ -17,22 +17,24 @@ once (``flexhstu.build_plan``, as a model does per batch) and every timed call r
 
     flexhstu bench --suite                         # the configurations of benchmarks/RESULTS.md
     flexhstu bench --batch 8 --seq 4096 --mask sla --sla-k1 256 --sla-k2 32   # your own shape
-    flexhstu bench --model-step --suite            # the STU stack's step (flexhstu/bench_stu.py)
+    flexhstu bench --model-step --suite            # the STU stack's step (flexhstu/bench/stu.py)
+    python -m flexhstu.bench.attention --suite     # the same as flexhstu bench --suite
 """
 
 from __future__ import annotations
 
 import json
-import math
-import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
 import torch
 
-from . import Kernel, build_plan, hstu_mha, masks
-from .cli.common import Parser
-from .jagged import offsets_from_lengths
+from .. import Kernel, build_plan, hstu_mha, masks
+from ..cli.common import Parser
+from ..jagged import offsets_from_lengths
+from .common import Timing, captured, median_of
+from .tables import attention_table
 
 MASKS = ("causal", "targets", "window", "sla", "onerank", "random")
 
@@ -54,14 +56,6 @@ class Case:
     sdpa: bool = True
     flex: bool = True
     sparse: bool | None = None  # build_plan's tile hint (None: decided from the mask)
-
-
-@dataclass
-class Timing:
-    """Median over repeats (ms) and the spread of the repeats, ``(max - min) / median``."""
-
-    ms: float = float("nan")
-    spread: float = float("nan")
 
 
 @dataclass
@@ -135,28 +129,6 @@ def mask_for(case: Case, offs: torch.Tensor) -> tuple[dict, torch.Tensor]:
     return {"attn_func": func}, func
 
 
-def _median_of(fn, repeats: int, warmup: int, rep: int) -> Timing:
-    import triton
-
-    xs = [triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median") for _ in range(repeats)]
-    med = statistics.median(xs)
-    return Timing(med, (max(xs) - min(xs)) / med)
-
-
-def captured(fn):
-    """``fn`` captured in a CUDA graph (warmed up on a side stream first); returns its replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
 def _flex_mask_mod(case: Case, func: torch.Tensor, seq_len: int):
     if case.mask == "causal":
         return lambda b, h, q_idx, kv_idx: kv_idx <= q_idx
@@ -228,7 +200,7 @@ def run_case(case: Case, *, repeats: int = 3, warmup: int = 10, rep: int = 40, f
     row = Row(case.name, func.shape[1], pairs, d)
 
     def timing(fn):
-        return _median_of(fn, repeats, warmup, rep)
+        return median_of(fn, repeats, warmup, rep)
 
     plan = build_plan(offs, total=total, max_seq_len=n, sparse=case.sparse, **kw)  # once per batch, as a model
 
@@ -252,54 +224,13 @@ def run_case(case: Case, *, repeats: int = 3, warmup: int = 10, rep: int = 40, f
     return row
 
 
-def _f(x: float, fmt: str) -> str:
-    return "-" if x is None or math.isnan(x) else format(x, fmt)
-
-
-def table(rows: list[Row]) -> str:
-    nan = Timing()
-    ref = next((r for r in rows if r.name.startswith("C causal")), None)
-    ref_fwd = ref.tflops(ref.ours["graph_fwd"].ms, True) if ref else float("nan")
-    ref_fb = ref.tflops(ref.ours["graph_fb"].ms, False) if ref else float("nan")
-    lines = [
-        "Ours (device time, CUDA-graph replay; spread = (max-min)/median of the repeats):", "",
-        "| config | NFUNC | pairs (M) | fwd ms | spread | fwd TFLOP/s | fwd eff / C | fwd+bwd ms | spread "
-        "| fwd+bwd TFLOP/s | fwd+bwd eff / C |",
-        "|" + "---|" * 11,
-    ]
-    for r in rows:
-        gf, gb = r.ours["graph_fwd"], r.ours["graph_fb"]
-        tf, tb = r.tflops(gf.ms, True), r.tflops(gb.ms, False)
-        lines.append(f"| {r.name} | {r.nfunc} | {r.pairs / 1e6:.1f} | {gf.ms:.3f} | {gf.spread:.1%} | {tf:.0f} "
-                     f"| {_f(tf / ref_fwd, '.2f')} | {gb.ms:.3f} | {gb.spread:.1%} | {tb:.0f} "
-                     f"| {_f(tb / ref_fb, '.2f')} |")
-    lines += [
-        "", "Eager calls (host work included), and the softmax baselines on the same shapes and masks:", "",
-        "| config | first call s | fwd ms | fwd+bwd ms | spread | host-bound fwd+bwd (eager / graph) "
-        "| SDPA fwd ms | SDPA fwd+bwd ms | SDPA fwd+bwd graph ms | SDPA / ours fwd+bwd graph "
-        "| Flex fwd ms | Flex fwd+bwd ms | spread | Flex / ours fwd | Flex / ours fwd+bwd | Flex compile s |",
-        "|" + "---|" * 16,
-    ]
-    for r in rows:
-        o, s, fx = r.ours, r.sdpa, r.flex
-        ef, eb, gf, gb = o["eager_fwd"], o["eager_fb"], o["graph_fwd"], o["graph_fb"]
-        sg = s.get("graph_fb", nan).ms
-        ffw, ffb = fx.get("eager_fwd", nan), fx.get("eager_fb", nan)
-        lines.append(
-            f"| {r.name} | {r.first_call_s:.1f} | {ef.ms:.3f} | {eb.ms:.3f} | {eb.spread:.1%} | {eb.ms / gb.ms:.2f} "
-            f"| {_f(s.get('eager_fwd', nan).ms, '.3f')} | {_f(s.get('eager_fb', nan).ms, '.3f')} | {_f(sg, '.3f')} "
-            f"| {_f(sg / gb.ms, '.2f')} | {_f(ffw.ms, '.3f')} | {_f(ffb.ms, '.3f')} | {_f(ffb.spread, '.1%')} "
-            f"| {_f(ffw.ms / gf.ms, '.2f')} | {_f(ffb.ms / gb.ms, '.2f')} | {_f(r.flex_compile_s, '.1f')} |")
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
-    argv = list(argv) if argv is not None else None
-    if argv is not None and "--model-step" in argv:
-        from . import bench_stu
+    argv = list(argv) if argv is not None else sys.argv[1:]
+    if "--model-step" in argv:  # the STU benchmark parses its own options
+        from . import stu
 
         argv.remove("--model-step")
-        return bench_stu.main(argv)
+        return stu.main(argv)
     p = Parser(prog="flexhstu bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--model-step", action="store_true",
                    help="time the STU stack's forward+backward instead (options: flexhstu bench --model-step --help)")
@@ -347,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
             with open(a.json, "w") as fh:
                 json.dump([asdict(x) for x in rows], fh, indent=1)
     print(f"\n{torch.cuda.get_device_name()} | torch {torch.__version__} | bf16\n")
-    print(table(rows))
+    print(attention_table(rows))
     return 0
 
 

@@ -9,8 +9,9 @@ Variants (``STULayerConfig`` fields): ``eager`` plain autograd; ``lean`` recompu
 plain body under torch.compile; ``lean+compiled`` recompute with compiled bodies; ``default`` the
 config's defaults (on CUDA: lean+compiled).
 
-    python -m flexhstu.bench_stu --suite               # causal, window 256, SLA 256/32, jagged
-    python -m flexhstu.bench_stu --mask window --variants default eager --json out.json
+    python -m flexhstu.bench.stu --suite               # causal, window 256, SLA 256/32, jagged
+    python -m flexhstu.bench.stu --mask window --variants default eager --json out.json
+    flexhstu bench --model-step --suite                # the same, through the command
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ from pathlib import Path
 
 import torch
 
-from . import masks
-from .cli.common import Parser
-from .jagged import offsets_from_lengths
-from .nn import STULayerConfig, STUStack
+from .. import masks
+from ..cli.common import Parser
+from ..jagged import offsets_from_lengths
+from ..nn import STULayerConfig, STUStack
+from .tables import STEP_HEADER, step_row
 
 VARIANTS = {
     "eager": dict(recompute=False, compile=False),
@@ -43,7 +45,7 @@ SUITE = [("causal", "fixed"), ("window", "fixed"), ("sla", "fixed"), ("causal", 
 
 
 @dataclass
-class Row:
+class StepRow:
     config: str
     variant: str
     step_ms: float
@@ -144,7 +146,7 @@ def _step(stack: STUStack, x, offs, max_len: int, kw: dict, grad_out) -> None:
     stack(x, offs, max_len, **kw).backward(grad_out)
 
 
-def bench_config(a: argparse.Namespace, mask: str, kind: str, device: torch.device) -> Iterator[Row]:
+def bench_config(a: argparse.Namespace, mask: str, kind: str, device: torch.device) -> Iterator[StepRow]:
     """One row per variant of ``a.variants`` for one mask and kind of lengths."""
     dtype = getattr(torch, a.dtype)
     lengths = lengths_of(a, kind)
@@ -179,15 +181,7 @@ def bench_config(a: argparse.Namespace, mask: str, kind: str, device: torch.devi
         del stack, grads, step
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        yield Row(name, variant, step_ms, step_peak, peak, total, max_len)
-
-
-HEADER = "| config | variant | step ms | step peak GiB | peak GiB |\n|---|---|---:|---:|---:|"
-
-
-def markdown_row(r: Row) -> str:
-    gib = lambda v: "-" if v is None else f"{v:.2f}"
-    return f"| {r.config} | {r.variant} | {r.step_ms:.2f} | {gib(r.step_peak_gib)} | {gib(r.peak_gib)} |"
+        yield StepRow(name, variant, step_ms, step_peak, peak, total, max_len)
 
 
 def main(argv=None) -> int:
@@ -197,11 +191,11 @@ def main(argv=None) -> int:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"STU stack: {a.layers} layers, dim {a.dim}, {a.heads} heads of {a.head_dim}, {a.dtype}, "
           f"dropout {a.dropout}, device {where}")
-    print(HEADER)
+    print(STEP_HEADER)
     rows = []
     for mask, kind in configs:
         for row in bench_config(a, mask, kind, device):
-            print(markdown_row(row), flush=True)
+            print(step_row(row), flush=True)
             rows.append(row)
     if a.json:
         with open(a.json, "w") as f:
