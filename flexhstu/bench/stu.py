@@ -9,6 +9,10 @@ Variants (``STULayerConfig`` fields): ``eager`` plain autograd; ``lean`` recompu
 plain body under torch.compile; ``lean+compiled`` recompute with compiled bodies; ``default`` the
 config's defaults (on CUDA: lean+compiled).
 
+Before it runs, the benchmark bounds the memory of its largest step from the sizes (``step_bytes``) and
+refuses, naming the sizes to lower, what the device has no room for; while it runs, a line on stderr
+says which step it is at.
+
     python -m flexhstu.bench.stu --suite               # causal, window 256, SLA 256/32, jagged
     python -m flexhstu.bench.stu --mask window --variants default eager --json out.json
     flexhstu bench --model-step --suite                # the same, through the command
@@ -21,8 +25,9 @@ import functools
 import json
 import os
 import statistics
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -104,7 +109,72 @@ def parse(argv=None) -> argparse.Namespace:
         out = Path(a.json)
         if out.is_dir() or not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
             p.error(f"--json: expected a file that can be written, got '{a.json}'")
+    need, have, worst = memory_check(a, device)
+    if have is not None and need > have:
+        length = "--seq" if worst == "fixed" else "--jagged-max"
+        sizes = f"{length} {a.seq if worst == 'fixed' else a.jagged_max}"
+        lower = f"--batch, {length}, " + ("--heads or --layers" if device.type == "cpu" else "--layers or --dim")
+        p.error(f"--batch {a.batch} {sizes} --layers {a.layers} --dim {a.dim} --heads {a.heads} --head-dim "
+                f"{a.head_dim} ({a.dtype}): a step needs up to {need / 2**30:.1f} GiB (estimate), "
+                f"{have / 2**30:.1f} GiB available on {device.type}; lower {lower}")
     return a
+
+
+def configs_of(a: argparse.Namespace) -> list[tuple[str, str]]:
+    """The (mask, lengths kind) pairs the run measures."""
+    return SUITE if a.suite else [(a.mask, a.lengths)]
+
+
+def step_bytes(*, layers: int, dim: int, heads: int, head_dim: int, lengths: list[int], itemsize: int,
+               dense: bool) -> int:
+    """An upper bound of the memory (bytes) one step of the stack takes, inputs and parameters included.
+
+    * rows: ``(layers + 1) * total * (6 * dim + 16 * heads * head_dim) * itemsize``. A plain layer keeps
+      about ``3 dim + 11 heads head_dim`` values a row for its backward (x, LN(x), u v q k, a, LN(a),
+      silu(u), y, the concatenation; the lean body less), and the backward adds gradients of the same
+      shapes; measured on CUDA at the default sizes: 13.8 KB a row and layer, against the bound's 22 KB.
+      The extra layer covers the inputs, the final norm and the gradients in flight.
+    * parameters and their gradients: ``2 * layers * 7 * dim * heads * head_dim * itemsize``.
+    * ``dense`` (the PyTorch reference attention, what runs on the CPU): it pads the batch to
+      ``B x N`` (N the longest sequence) and works on ``(B, heads, N, N)`` scores in float32; autograd
+      keeps about 10 bytes a score per layer (the scores, silu's input, the mask; 9-12 measured on the
+      CPU) and a layer's forward or backward needs about 16 more at its peak: ``(12 * layers + 16) *
+      B * heads * N**2``, plus the padded float32 q, k, v and output, ``16 * (layers + 1) * B * N *
+      heads * head_dim``.
+    """
+    total, batch, n = sum(lengths), len(lengths), max(lengths, default=0)
+    rows = (layers + 1) * total * (6 * dim + 16 * heads * head_dim) * itemsize
+    weights = 2 * layers * 7 * dim * heads * head_dim * itemsize
+    scores = (12 * layers + 16) * batch * heads * n * n + 16 * (layers + 1) * batch * n * heads * head_dim
+    return rows + weights + (scores if dense else 0)
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Free memory of ``device``: ``torch.cuda.mem_get_info``'s free bytes on CUDA; on the CPU the kernel's
+    MemAvailable (``/proc/meminfo``), else the physical memory; None where neither can be read."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def memory_check(a: argparse.Namespace, device: torch.device) -> tuple[int, int | None, str]:
+    """(the largest step's bound, the device's free memory or None, that step's kind of lengths)."""
+    itemsize = torch.empty((), dtype=getattr(torch, a.dtype)).element_size()
+    need = {kind: step_bytes(layers=a.layers, dim=a.dim, heads=a.heads, head_dim=a.head_dim,
+                             lengths=lengths_of(a, kind), itemsize=itemsize, dense=device.type == "cpu")
+            for kind in sorted({kind for _, kind in configs_of(a)})}
+    worst = max(need, key=need.__getitem__)
+    return need[worst], available_bytes(device), worst
 
 
 def lengths_of(a: argparse.Namespace, kind: str) -> list[int]:
@@ -146,8 +216,9 @@ def _step(stack: STUStack, x, offs, max_len: int, kw: dict, grad_out) -> None:
     stack(x, offs, max_len, **kw).backward(grad_out)
 
 
-def bench_config(a: argparse.Namespace, mask: str, kind: str, device: torch.device) -> Iterator[StepRow]:
-    """One row per variant of ``a.variants`` for one mask and kind of lengths."""
+def bench_config(a: argparse.Namespace, mask: str, kind: str, device: torch.device,
+                 say: Callable[[str], None] = lambda text: None) -> Iterator[StepRow]:
+    """One row per variant of ``a.variants`` for one mask and kind of lengths; ``say`` hears which step runs."""
     dtype = getattr(torch, a.dtype)
     lengths = lengths_of(a, kind)
     offs = offsets_from_lengths(lengths, device=device)
@@ -165,7 +236,8 @@ def bench_config(a: argparse.Namespace, mask: str, kind: str, device: torch.devi
         stack = STUStack(cfg, a.layers).to(device=device, dtype=dtype)
         grads = [x, *stack.parameters()]
         step = functools.partial(_step, stack, x, offs, max_len, kw, grad_out)
-        step()  # compiles where the variant compiles
+        say(f"{name} {variant}: first step (compiles where the variant compiles)")
+        step()
         for t in grads:
             t.grad = None
         step_peak = peak = None
@@ -177,6 +249,7 @@ def bench_config(a: argparse.Namespace, mask: str, kind: str, device: torch.devi
             torch.cuda.synchronize(device)
             peak = torch.cuda.max_memory_allocated(device) / 2**30
             step_peak = peak - before / 2**30
+        say(f"{name} {variant}: timing")
         step_ms = timer(step, grads)
         del stack, grads, step
         if device.type == "cuda":
@@ -187,14 +260,21 @@ def bench_config(a: argparse.Namespace, mask: str, kind: str, device: torch.devi
 def main(argv=None) -> int:
     a = parse(argv)
     device = torch.device(a.device)
-    configs = SUITE if a.suite else [(a.mask, a.lengths)]
+    configs = configs_of(a)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    need, have, _ = memory_check(a, device)
     print(f"STU stack: {a.layers} layers, dim {a.dim}, {a.heads} heads of {a.head_dim}, {a.dtype}, "
-          f"dropout {a.dropout}, device {where}")
-    print(STEP_HEADER)
-    rows = []
+          f"dropout {a.dropout}, device {where}; a step needs up to {need / 2**30:.2f} GiB (estimate), "
+          + ("available memory unknown" if have is None else f"{have / 2**30:.1f} GiB available"))
+    print(STEP_HEADER, flush=True)
+    rows: list[StepRow] = []
+    steps, t_start = len(configs) * len(a.variants), time.perf_counter()
+
+    def say(text: str) -> None:
+        print(f"[{len(rows) + 1}/{steps}, {time.perf_counter() - t_start:.0f} s] {text}", file=sys.stderr, flush=True)
+
     for mask, kind in configs:
-        for row in bench_config(a, mask, kind, device):
+        for row in bench_config(a, mask, kind, device, say):
             print(step_row(row), flush=True)
             rows.append(row)
     if a.json:

@@ -1,8 +1,11 @@
-"""The STU benchmark's code path on the CPU, with a tiny configuration, and its errors."""
+"""The STU benchmark's code path on the CPU, with a tiny configuration, its memory bound and its errors."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -25,8 +28,11 @@ def test_suite_writes_one_row_per_configuration_and_variant(tmp_path, capsys):
     assert rows[0]["total"] == 3 * 12 and rows[0]["max_seq_len"] == 12
     jagged = next(r for r in rows if "jagged" in r["config"])
     assert 0 <= jagged["max_seq_len"] <= 20
-    table = capsys.readouterr().out
-    assert table.count("\n| ") == len(rows) + 1  # the header and one line per row
+    out, err = capsys.readouterr()
+    assert out.count("\n| ") == len(rows) + 1  # the header and one line per row
+    assert "a step needs up to 0.00 GiB (estimate)" in out.splitlines()[0]
+    starts = [line for line in err.splitlines() if "first step" in line]  # progress, one line per step as it starts
+    assert len(starts) == len(rows) and starts[-1].startswith(f"[{len(rows)}/{len(rows)}, ")
 
 
 def test_compiled_variants_run(tmp_path):
@@ -58,3 +64,47 @@ def test_bad_sizes_name_the_option(args, words, capsys):
         stu.main(TINY + args)
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and words in err[0], err
+
+
+def test_sizes_that_do_not_fit_are_refused_in_one_line_before_the_run(monkeypatch, capsys):
+    # User trial: the defaults on a 24 GB CPU machine printed the table header and were killed after 83 s at
+    # 23.6 GB resident (the reference attention holds float32 (B, H, N, N) scores per layer).
+    monkeypatch.setattr(stu, "available_bytes", lambda device: 24 * 10**9)
+    with pytest.raises(SystemExit) as e:
+        stu.main(["--device", "cpu"])
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out == ""
+    assert err.splitlines() == [
+        "flexhstu bench --model-step: error: --batch 16 --seq 4096 --layers 4 --dim 512 --heads 4 --head-dim 128 "
+        "(bfloat16): a step needs up to 73.4 GiB (estimate), 22.4 GiB available on cpu; lower --batch, --seq, --heads "
+        "or --layers"]
+    with pytest.raises(SystemExit):  # the suite's jagged configuration is the largest: its length is named
+        stu.main(["--device", "cpu", "--suite", "--batch", "4", "--seq", "1024"])
+    err = capsys.readouterr().err
+    assert "--batch 4 --jagged-max 8192 " in err and "lower --batch, --jagged-max," in err
+
+
+def test_the_estimate_bounds_a_measured_step_on_the_cpu():
+    args = ["--device", "cpu", "--layers", "2", "--dim", "64", "--heads", "2", "--head-dim", "16", "--batch", "4",
+            "--seq", "768", "--variants", "eager"]
+    # What the step holds, in a child: its high-water mark (VmHWM; ru_maxrss would carry this process's over the
+    # exec) above its memory after a tiny step (lazy imports), with glibc returning every block above 64 KiB at
+    # once (a fixed mmap threshold: otherwise freed blocks stay in the arenas, and what is measured is theirs).
+    child = ("import sys\nfrom flexhstu.bench import stu\n"
+             "def kib(key): return int(next(x for x in open('/proc/self/status') if x.startswith(key)).split()[1])\n"
+             "stu.main(sys.argv[1:] + ['--seq', '8'])\nbefore = kib('VmRSS:')\nstu.main(sys.argv[1:])\n"
+             "print('grew', (kib('VmHWM:') - before) * 1024)")
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    run = subprocess.run([sys.executable, "-c", child, *args], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr
+    grew = int(run.stdout.split("grew ")[1])
+    bound, _, _ = stu.memory_check(stu.parse(args), torch.device("cpu"))
+    assert grew < bound < 3 * grew, (grew, bound)  # a bound, and not a loose one
+    # the reporter's sizes: above the 23.6 GB at which that run was killed
+    assert stu.step_bytes(layers=4, dim=512, heads=4, head_dim=128, lengths=[4096] * 16, itemsize=2,
+                          dense=True) > 23.6e9
+
+
+def test_free_memory_is_what_cuda_reports_free(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (5 * 2**30, 80 * 2**30))
+    assert stu.available_bytes(torch.device("cuda")) == 5 * 2**30
