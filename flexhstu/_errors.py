@@ -62,7 +62,7 @@ SPAN_MAX = 1 << 30
 def as_span(arg: str, value: object, minimum: int = 0) -> int:
     """A mask length (window, contextual prefix, full-attention tail) as ``as_int`` (``>= minimum``), capped at
     ``SPAN_MAX``: a span at least as long as every sequence means the same at any size, and a larger int would wrap
-    in the int32 arithmetic of the masks and kernels (audit: ``contextual_seq_len=2**31`` gave the plain causal
+    in the int32 arithmetic of the masks and kernels (``contextual_seq_len=2**31`` would wrap to the plain causal
     mask)."""
     out = as_int(arg, value, minimum)
     return torch.sym_min(out, SPAN_MAX) if isinstance(out, torch.SymInt) else min(out, SPAN_MAX)

@@ -23,9 +23,11 @@ from .cache import JaggedHistory
 
 GRAPH_MAX_ROWS = 4096
 """``score_cached`` replays graphs by default for micro-batches of at most this many new rows (candidates times
-the group size, all users): below it a micro-batch is host-bound. H200, 4 layers of 512, history 16384, 2048
-candidates in micro-batches of 256: one user (1024 rows) 28.6 -> 14.3 ms a request with graphs; eight users (8192
-rows, device-bound) 29.4 -> 35.8 ms, the capture's host time no longer hidden (``benchmarks/RESULTS.md``)."""
+the group size, all users): below it a micro-batch is host-bound and the graph removes the host's time; above
+it the device is the bound, and the capture's own host time is no longer hidden behind device work. H200, 4
+layers of 512, history 16384, 2048 candidates in micro-batches of 256, a request with graphs against without:
+one user (1024 rows) 14.3 ms against 28.6; eight users (8192 rows) 35.8 ms against 29.4
+(``benchmarks/HISTORY.md``)."""
 
 
 class MicroBatchGraphs:

@@ -39,7 +39,7 @@ def _status(argv) -> int:
     (["show-mask", "sla", "--lengths", "20", "-o", "/nonexistent-dir/m.png"], "--output: No such file or directory"),
     (["demo", "--out", "/dev/null/x"], "--out: Not a directory"),
     (["train", "--device", "cuda", "--data", "synthetic"], "--device: expected cpu (CUDA is not available here)"),
-    # Audit: tracebacks from torch (mps, meta and xpu passed the check and failed later).
+    # Refused here, not by a traceback from torch later (mps, meta and xpu are devices torch accepts).
     (["train", "--device", "meta", "--data", "synthetic"], "--device: expected cpu or cuda[:N] (the kernels and"),
     (["train", "--device", "gpu", "--data", "synthetic"], "--device: expected cpu or cuda[:N], got 'gpu'"),
     (["recommend", "--users", "1", "--device", "mps"], "--device: expected cpu or cuda[:N] (the kernels and"),
@@ -48,8 +48,8 @@ def _status(argv) -> int:
     (["train", "--model", "sasrec", "--no-rel-bias"], "--no-rel-bias: expected --model hstu"),
     (["train", "--model", "popularity", "--no-rel-bias"], "--no-rel-bias: expected --model hstu"),
     (["train", "--no-task-tokens"], "--no-task-tokens: expected --task ranking --model onerank, got --model hstu"),
-    # User trial: each ran and exited 0 (the mask ignored; HR@10 = 1.0 from a catalogue inside the top K;
-    # the whole catalogue ranked).
+    # Unchecked, each runs and exits 0 (the mask ignored; HR@10 = 1.0 from a catalogue inside the top K; the
+    # whole catalogue ranked).
     (["train", "--model", "popularity", "--mask", "sla"],
      "--mask: expected causal (the default) for --model popularity"),
     (["train", "--data", "synthetic", "--synthetic-items", "5"],
@@ -57,8 +57,8 @@ def _status(argv) -> int:
     (["train", "--data", "synthetic", "--metrics", "hr@5000"],
      "--metrics: expected a catalogue of more than 5000 items for hr@5000"),
     (["recommend", "--users", "1", "--candidates", ""], "--candidates: expected comma-separated item ids, got ''"),
-    # User trial: an unclosed quote was read as an id; a folder as --checkpoint was "no such file"; an existing
-    # file as --out gave the raw OSError.
+    # Unchecked, an unclosed quote is read as an id, a folder as --checkpoint is "no such file" and an existing
+    # file as --out gives the raw OSError.
     (["recommend", "--users", '"a,b'], "--users: expected comma-separated ids (one holding a comma in double "
                                         "quotes), got '\"a,b' (a quote is not closed)"),
     (["recommend", "--users", "1", "--checkpoint", "."], ".: expected a flexhstu checkpoint, a folder: pass the"),
@@ -128,7 +128,7 @@ def test_bench_without_a_gpu_is_one_line_and_the_model_step_runs_on_the_cpu(caps
 def test_a_checkpoint_without_a_runs_entries_is_one_line(tmp_path, capsys):
     from flexhstu import checkpoint
 
-    checkpoint.save({}, tmp_path / "checkpoint.pt")  # a flexhstu file, but not a run's (audit: KeyError traceback)
+    checkpoint.save({}, tmp_path / "checkpoint.pt")  # a flexhstu file, but not a run's (not a KeyError traceback)
     argv = ["train", "--data", "synthetic", "--resume", "--out", str(tmp_path), "--quiet", "--device", "cpu"]
     assert _status(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -154,7 +154,7 @@ def test_an_existing_file_as_out_is_named_a_file(tmp_path, capsys):
 
 
 def test_ctrl_c_is_one_line_and_status_130(monkeypatch, capsys):
-    # User trial: Ctrl-C during train printed a traceback from inside torch.
+    # Ctrl-C during train: one line, not a traceback from inside torch.
     from flexhstu import train
 
     def interrupted(a):

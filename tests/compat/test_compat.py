@@ -130,7 +130,7 @@ def test_a_peer_kernel_choice_reaches_the_backend(monkeypatch):
 
 
 def test_tzrec_clamps_small_integer_targets_without_wrapping():
-    # Audit: lengths cast to uint8 wrapped (256 -> 0), so 5 targets on a 256-row sequence became 0.
+    # Clamped in int64: lengths cast to uint8 would wrap (256 -> 0), and 5 targets on a 256-row sequence become 0.
     offs = torch.tensor([0, 256, 260])
     for dtype in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64):
         got = tzrec._clamped_targets(torch.tensor([5, 1], dtype=dtype), offs)

@@ -125,7 +125,7 @@ def test_delta_rows_that_do_not_fill_every_sequence_equally_are_a_named_error(pe
 @pytest.mark.parametrize("peer", [gr, tzrec])
 def test_delta_more_rows_than_a_sequence_holds_is_a_named_error(peer):
     offs, q, k, v = whole_sequences()
-    # Audit: the error named q_start, which these callers never pass (it is derived from delta_q's rows).
+    # Named as these callers know it: they never pass q_start (it is derived from delta_q's rows).
     with pytest.raises(ValueError, match=r"delta_q.shape\[0\]: expected at most B \* \(the shortest sequence's "
                                          r"rows\) = 4 \* 3 \(the last delta_q.shape\[0\] / B rows of every sequence; "
                                          r"sequence 1 has 3\), got 16"):

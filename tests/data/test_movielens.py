@@ -183,7 +183,7 @@ def test_column_mappings_are_parsed_and_checked():
 
 
 def test_exact_duplicate_events_are_dropped_and_reported(tmp_path, capsys):
-    # Audit: a file with every row twice held out the duplicate of each user's last event, so HR@10 was 1.0.
+    # Kept, the duplicate of each user's held-out last event would be trained on: HR@10 = 1.0 on a doubled file.
     rows = ["1,10,4,100", "1,11,3,101", "1,10,5,100", "2,10,4,100", "1,11,3,101", "1,11,3,102"]
     d = load(str(_csv(tmp_path, rows)), cache_dir=tmp_path / "cache")
     assert "dropped 2 duplicate events (same user, item and timestamp" in capsys.readouterr().err
@@ -196,7 +196,7 @@ def test_exact_duplicate_events_are_dropped_and_reported(tmp_path, capsys):
 def test_uint64_ids_above_int64_keep_their_values_and_huge_timestamps_are_refused(tmp_path):
     import pyarrow as pa
 
-    big = 2**63 + 5  # audit: cast to int64, this id wrapped to a negative number
+    big = 2**63 + 5  # cast to int64, this id would wrap to a negative number
     f = tmp_path / "events.parquet"
     pq.write_table(pa.table({"user": pa.array([big, 3], pa.uint64()), "item": pa.array([big, 1], pa.uint64()),
                              "rating": [1.0, 2.0], "timestamp": pa.array([1, 2], pa.uint64())}), f)
@@ -233,7 +233,7 @@ def test_one_column_for_two_keys_is_refused():
 
 
 def test_a_folder_given_as_data_is_named_a_folder(tmp_path):
-    # Audit: a folder was reported as "no such file".
+    # A folder is named a folder, not "no such file".
     with pytest.raises(FileNotFoundError, match=r"got '.*' \(a folder: pass a file in it\)"):
         load(str(tmp_path))
     with pytest.raises(FileNotFoundError, match=r"got '.*nothing.csv' \(no such file\)"):
@@ -241,7 +241,7 @@ def test_a_folder_given_as_data_is_named_a_folder(tmp_path):
 
 
 def test_the_cache_is_written_with_the_mode_a_plain_write_would_get(tmp_path):
-    # Audit: the Parquet cache was a mkstemp file (mode 0600, not synced before its rename).
+    # The Parquet cache is not a mkstemp file (mode 0600), and it is synced before its rename.
     import os
 
     load(str(_csv(tmp_path, ["1,10,4,100", "1,11,3,101"])), cache_dir=tmp_path / "cache")

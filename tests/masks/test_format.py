@@ -155,7 +155,7 @@ def test_count_visible_equals_the_dense_count(lengths, seed, hf, nfunc):
     ([0, 5, 3], r"seq_offsets: expected non-decreasing offsets"),
 ])
 def test_from_dense_refuses_bad_offsets(offs, msg):
-    # Audit: [1, 4, 8] gave a func shifted by one row, [0, 5, 3] an IndexError.
+    # Unchecked, [1, 4, 8] gives a func shifted by one row and [0, 5, 3] an IndexError.
     dense = torch.ones(2, 6, 6, dtype=torch.bool)
     with pytest.raises(ValueError, match=msg):
         masks.from_dense(dense, torch.tensor(offs))
@@ -173,7 +173,7 @@ def test_count_visible_refuses_offsets_of_another_total():
 
 
 def test_the_picture_names_a_head_the_func_does_not_have(tmp_path):
-    # Audit: head 5 of a two-head func drew head 1 without a word.
+    # Head 5 of a two-head func is an error, not head 1 drawn without a word.
     import torch
 
     from flexhstu import masks
@@ -190,8 +190,8 @@ def test_the_picture_names_a_head_the_func_does_not_have(tmp_path):
 
 
 def test_numpy_ints_and_bools_are_accepted_where_python_ones_are():
-    # Audit: masks.causal(nfunc=np.int64(3)) and build_plan(sparse=np.True_) were refused ("expected an odd int
-    # >= 1, got int64"; "expected None or a bool, got bool") while max_seq_len and causal took NumPy values.
+    # As max_seq_len and causal take NumPy values, masks.causal(nfunc=np.int64(3)) and build_plan(sparse=np.True_)
+    # must too (not "expected an odd int >= 1, got int64"; "expected None or a bool, got bool").
     import numpy as np
 
     offs = offsets_from([5, 3])
@@ -210,7 +210,7 @@ def test_numpy_ints_and_bools_are_accepted_where_python_ones_are():
 
 
 def test_the_picture_draws_empty_batches_and_names_cell_and_path(tmp_path):
-    # Audit: max_seq_len 0 raised an IndexError from a shape mismatch, a negative or fractional cell PIL's or
+    # Unchecked, max_seq_len 0 raises an IndexError from a shape mismatch, a negative or fractional cell PIL's or
     # range's errors, a path without an image extension PIL's "unknown file extension".
     import torch
 

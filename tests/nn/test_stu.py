@@ -97,7 +97,7 @@ def test_default_compiles_for_cuda_inputs_only():
     ("embedding_dim", 0, "embedding_dim: expected a positive int, got 0"),
     ("recompute", "yes", "recompute: expected a bool, got str"),
     ("compile", "auto", "compile: expected None (compile on CUDA only) or a bool, got str"),
-    # Audit: a string passed float() here, then broke the first forward; an unknown kernel failed only there too.
+    # Checked when the config is made: a string passes float() and breaks the first forward, an unknown kernel too.
     ("dropout", "0.1", "dropout: expected a real number, got str"),
     ("kernel", "bogus", "kernel: expected one of ['auto', 'pytorch', 'triton', 'cutlass'], got 'bogus'"),
 ])
@@ -196,7 +196,7 @@ def test_lean_layer_on_the_triton_kernel_gives_the_plain_reference_layer():
 
 
 @pytest.mark.parametrize("num_layers, err, words", [
-    (-3, ValueError, "num_layers: expected a non-negative int, got -3"),  # audit: built a stack of the norm alone
+    (-3, ValueError, "num_layers: expected a non-negative int, got -3"),  # not a stack of the norm alone
     (2.0, TypeError, "num_layers: expected a non-negative int, got float"),
 ])
 def test_a_layer_count_that_is_not_a_count_is_named(num_layers, err, words):
@@ -206,8 +206,8 @@ def test_a_layer_count_that_is_not_a_count_is_named(num_layers, err, words):
 
 
 def test_the_stack_names_an_unknown_mask_argument_and_sparse_next_to_a_plan():
-    # Audit: rab= raised build_plan's "unexpected keyword argument" (a function the caller never called), and
-    # sparse= next to attn_plan= was ignored without a word.
+    # Named by the stack: rab= would otherwise raise build_plan's "unexpected keyword argument" (a function the
+    # caller never called), and sparse= next to attn_plan= would be ignored without a word.
     stack, offs = _stack(0.0, num_layers=1), offsets_from(LENGTHS)
     x = torch.randn(sum(LENGTHS), DIM)
     with pytest.raises(TypeError, match=r"^rab: expected one of STUStack.forward's mask arguments \['attn_func', "):

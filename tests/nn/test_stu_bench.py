@@ -53,7 +53,7 @@ def test_cuda_device_without_a_gpu_is_a_clear_error(capsys):
 @pytest.mark.parametrize(("args", "words"), [
     (["--layers", "0"], "--layers: expected a positive int, got 0"),
     (["--jagged-min", "9", "--jagged-max", "3"], "expected 0 <= min <= max, got 9, 3"),
-    # User trial: tracebacks (the last two after the benchmark had run), and 16 lines of usage before errors.
+    # One line each, before the benchmark runs: not a traceback (after the run, for --json), nor 16 lines of usage.
     (["--mask", "window", "--window", "-1"], "--window: expected an int >= 0, got -1"),
     (["--device", "foo"], "--device: expected cuda or cpu, got 'foo'"),
     (["--json", "."], "--json: expected a file that can be written, got '.'"),
@@ -67,8 +67,8 @@ def test_bad_sizes_name_the_option(args, words, capsys):
 
 
 def test_sizes_that_do_not_fit_are_refused_in_one_line_before_the_run(monkeypatch, capsys):
-    # User trial: the defaults on a 24 GB CPU machine printed the table header and were killed after 83 s at
-    # 23.6 GB resident (the reference attention holds float32 (B, H, N, N) scores per layer).
+    # The defaults on a 24 GB CPU machine: run, they print the table header and are killed at 23.6 GB resident
+    # (on the CPU the reference attention holds float32 (B, H, N, N) scores per layer).
     monkeypatch.setattr(stu, "available_bytes", lambda device: 24 * 10**9)
     with pytest.raises(SystemExit) as e:
         stu.main(["--device", "cpu"])

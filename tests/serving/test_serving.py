@@ -143,8 +143,8 @@ def test_cache_errors_name_the_user_and_the_bound():
     assert "b" not in cache and len(cache) == 3
     with pytest.raises(KeyError, match=r"user: expected a cached user .*got 'b'"):
         model.score_cached(cache, ["a", "b"], cands[:5], offsets_from([3, 2]))
-    # Audit: a history and a micro-batch over the cache's bound were reported as a "max_seq_len" the caller never
-    # gave. User "a" has 5 history rows; 6 candidates of group_size rows each do not fit the bound 16.
+    # A history and a micro-batch over the cache's bound are named as the caller knows them, not as a "max_seq_len"
+    # it never gave. User "a" has 5 history rows; 6 candidates of group_size rows each do not fit the bound 16.
     small = HistoryCache(1, 16)
     model.cache_histories(small, ["a"], hist[:5], times[:5], offsets_from([5]))
     g = model.group_size
@@ -251,8 +251,8 @@ def test_scorer_inputs_refuse_a_history_gathered_with_room():
         serving.ScorerInputs.of(cache.gather(["a"], room=4), torch.tensor([1]), torch.tensor([1]))
 
 
-# Offsets that do not jag the rows they come with (bad-input audit): each used to abort the process (heap
-# corruption from repeat_interleave with an output size) or to score a candidate silently as 0.
+# Offsets that do not jag the rows they come with: unchecked, each aborts the process (heap corruption from
+# repeat_interleave with an output size) or scores a candidate silently as 0.
 BAD_OFFSETS = [
     ([0, 7, 5], r": expected non-decreasing offsets"),
     ([0, 2, 4], r"\[-1\]: expected the number of rows of the data"),

@@ -38,17 +38,19 @@ def default_tiles(dim_qk: int, dim_v: int, interpreting: bool, sparse: bool = Fa
     """Tiles for head dims ``dim_qk``, ``dim_v`` (the padded, power-of-two dims of the kernels' tiles).
 
     ``sparse``: the mask shows each query block few key blocks (a window, SLA): smaller tiles of four warps,
-    two programs per multiprocessor, waste fewer masked pairs and hide the latency of short walks (H200, D 128,
-    ``benchmarks/sweep.py``: window 256 forward 246 -> 187 us, dQ 296 -> 238, dK/dV 510 -> 393 on B8 S8192;
-    on causal the large forward and dQ tiles stay ahead). The interpreter gets small, unequal blocks so the CPU
-    tests cross many blocks, with another shape for sparse masks so both tile families are tested.
+    two programs per multiprocessor, waste fewer masked pairs and hide the latency of short walks; on causal
+    masks the large forward and dQ tiles are faster. H200, D 128, window 256 on B8 S8192 (``benchmarks/sweep.py``),
+    the sparse tiles against the causal ones: forward 187 us against 246, dQ 238 against 296, dK/dV 393
+    against 510. The interpreter gets small, unequal blocks so the CPU tests cross many blocks, with another
+    shape for sparse masks so both tile families are tested.
 
     ``bias``: the call adds a relative attention bias, whose per-tile work and table gradients need registers
-    the plain tiles do not leave (H200, ``benchmarks/bench_bias.py --tiles``, forward+backward B4 S8192 H4):
-    the dK/dV kernel takes 32 query rows and two stages (D 128: causal 14.7 -> 10.3 ms, SLA 256/32 4.49 ->
-    3.42; 16 rows and 8 warps were slower, and 8 warps do not compile for every mask); at D <= 64 the forward
-    and dQ kernels also take 64 x 64 tiles of 4 warps (D 64: causal 24.0 -> 7.4 ms, SLA 9.5 -> 2.5; D 32:
-    15.1 -> 6.7 and 5.6 -> 2.3). At D 128 the smaller forward and dQ tiles were slower.
+    the plain tiles do not leave: the dK/dV kernel takes 32 query rows and two stages, and at D <= 64 the
+    forward and dQ kernels also take 64 x 64 tiles of 4 warps. H200, forward+backward B4 S8192 H4
+    (``benchmarks/bench_bias.py --tiles``), these tiles against the plain ones: D 128 causal 10.3 ms against
+    14.7, SLA 256/32 3.42 against 4.49; D 64 causal 7.4 against 24.0, SLA 2.5 against 9.5; D 32 causal 6.7
+    against 15.1, SLA 2.3 against 5.6. dK/dV tiles of 16 rows and of 8 warps are slower (8 warps do not
+    compile for every mask), and so are smaller forward and dQ tiles at D 128.
     """
     if interpreting:
         if sparse:
