@@ -1,4 +1,4 @@
-"""Serving: a per-user K/V cache of the STU stack and candidate scoring against it (docs/design.md, section 9)."""
+"""Serving: a per-user K/V cache of the STU stack and candidate scoring against it (docs/design.md, section 8)."""
 
 from .cache import HistoryCache, JaggedHistory, UserHistory
 from .delta_stack import DeltaLayout, delta_layout, extend, layer_delta, prefill, stack_delta

@@ -1,4 +1,4 @@
-"""A per-user cache of the STU stack's history keys and values (docs/design.md, section 9).
+"""A per-user cache of the STU stack's history keys and values (docs/design.md, section 8).
 
 In an STU layer, a new row's attention needs the earlier rows' K and V only (its
 own q, k, v, u come from its input), so K and V per layer are all a history
