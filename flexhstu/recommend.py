@@ -120,7 +120,7 @@ class Recommender:
         items, times = self._history(user)
         max_len = self.config["max_len"]
         if self.ranking:
-            pool = cand  # the items asked about, seen or not (user trial: seen ones vanished, exit 0, no line)
+            pool = cand  # the items asked about, seen or not: dropping seen ones would leave an asked item unanswered
             hist, ht = items[-max_len:], times[-max_len:]
             args = [torch.from_numpy(x).to(self.device) for x in (hist, ht)]
             offs = [torch.tensor([0, n], device=self.device) for n in (len(hist), len(pool))]
@@ -196,7 +196,7 @@ def cli(argv=None) -> int:
     def command() -> int:
         with user_input():
             users, candidates = _ids(a.users, "--users"), _ids(a.candidates, "--candidates")
-        if a.candidates is not None and not candidates:  # user trial: '' ranked the whole catalogue
+        if a.candidates is not None and not candidates:  # '' would otherwise rank the whole catalogue
             raise UserError(f"--candidates: expected comma-separated item ids, got '{a.candidates}'")
         with user_input():
             rec = Recommender.from_checkpoint(a.checkpoint, data=a.data, device=a.device)

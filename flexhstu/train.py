@@ -211,7 +211,7 @@ def parse(argv=None) -> argparse.Namespace:
         setattr(a, key, (default if given is None else given) if a.data == "synthetic" else None)
     if a.no_rel_bias and a.model != "hstu":
         p.error(f"--no-rel-bias: expected --model hstu (the only model with a relative bias), got --model {a.model}")
-    if a.mask != "causal" and a.model != "hstu":  # user trial: --model popularity --mask sla ran, ignoring it
+    if a.mask != "causal" and a.model != "hstu":  # a mask the model has no use for would be ignored in silence
         p.error(f"--mask: expected causal (the default) for --model {a.model}, which has no mask choice, "
                 f"got {a.mask}")
     if a.no_task_tokens and a.model != "onerank":
@@ -224,7 +224,7 @@ def parse(argv=None) -> argparse.Namespace:
 
 def check_cutoffs(a: argparse.Namespace, num_items: int) -> None:
     """Retrieval ranks the whole catalogue: a cut-off K at or above its size puts every item in the top K, so
-    HR@K is 1 whatever the model (user trial: HR@10 = NDCG@10 = 1.0 with 5 items, exit 0)."""
+    HR@K is 1 whatever the model (HR@10 = NDCG@10 = 1.0 with 5 items), a result that says nothing."""
     if a.task != "retrieval":
         return
     cuts = {name: int(name.partition("@")[2]) for name in a.metric_names if "@" in name}
