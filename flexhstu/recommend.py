@@ -9,7 +9,6 @@ be the file the model was trained on.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import sys
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from . import checkpoint
 from .cli.common import Parser, UserError, checked_device, positive_int, run, user_input
 from .data import data_digest, load, synthetic
 from .data.sequences import user_sequences
-from .models import make_batch
+from .models import ModelConfig, build_model, make_batch
 from .models.ranking import TASKS
 
 
@@ -50,7 +49,7 @@ class Recommender:
     def from_checkpoint(cls, path: str | Path, data: str | None = None, device="cpu") -> Recommender:
         """The best-validation weights of the run of ``path`` (a ``checkpoint.pt``); ``data`` replaces the run's
         ``--data`` path (same contents required)."""
-        from .train import SYNTHETIC_DEFAULTS, build_model, saved_config  # train imports the models and the CLI
+        from .train import SYNTHETIC_DEFAULTS, saved_config  # train imports the models and the CLI
 
         path = Path(path)
         device = checked_device(device)  # a bad device is not a bad checkpoint
@@ -76,7 +75,7 @@ class Recommender:
             raise ValueError(f"--data {source}: expected the run's data, got other contents of the same size (its "
                              "events or ids differ from those the run trained on)")
         try:
-            model = build_model(argparse.Namespace(**config), config["num_items"]).to(device)
+            model = build_model(ModelConfig.from_settings(config), config["num_items"]).to(device)
         except (TypeError, ValueError) as e:  # a setting of the wrong kind (every key is there: saved_config)
             raise ValueError(f"{path}: not a complete flexhstu run checkpoint (its configuration does not build "
                              f"the run's model: {e})") from e

@@ -55,7 +55,7 @@ from .data.movielens import parse_columns
 from .data.sequences import UserSequences, leave_one_out, user_sequences
 from .data.synthetic_source import LazyItem, SyntheticSource
 from .metrics import auc, gauc, list_ndcg, metric_key, parse_metrics, ranks_to_metrics, target_rank
-from .models import HSTURetrieval, OneRankModel, Popularity, SASRecRetrieval, make_batch, make_requests
+from .models import ModelConfig, Popularity, build_model, make_batch, make_requests
 from .models.ranking import TASKS, RankingRequests, collate, min_events
 from .nn import onerank_loss
 
@@ -220,6 +220,11 @@ def parse(argv=None) -> argparse.Namespace:
         p.error("--shard-embeddings: expected none for --model popularity (it has no item table), "
                 f"got {a.shard_embeddings}")
     return a
+
+
+def model_config(a: argparse.Namespace) -> ModelConfig:
+    """The model settings of the parsed options ``a``: the one place the training code converts them."""
+    return ModelConfig.from_settings(vars(a))
 
 
 def check_cutoffs(a: argparse.Namespace, num_items: int) -> None:
@@ -463,19 +468,6 @@ def file_ids(data, seqs: UserSequences) -> dict[str, list]:
 
 def _most_events(data) -> int:
     return int(np.unique(data.user, return_counts=True)[1].max())
-
-
-def build_model(a: argparse.Namespace, num_items: int, items: torch.nn.Module | None = None) -> torch.nn.Module:
-    """The model of ``a``; ``items`` is its item table module (default a new ``nn.Embedding``)."""
-    if a.model == "hstu":
-        return HSTURetrieval(num_items, dim=a.dim, layers=a.layers, heads=a.heads, max_len=a.max_len, mask=a.mask,
-                             sla_k1=a.sla_k1, sla_k2=a.sla_k2, dropout=a.dropout, rel_bias=not a.no_rel_bias,
-                             items=items)
-    if a.model == "sasrec":
-        return SASRecRetrieval(num_items, dim=a.dim, layers=a.layers, heads=a.heads, max_len=a.max_len,
-                               dropout=a.dropout, items=items)
-    return OneRankModel(num_items, dim=a.dim, layers=a.layers, heads=a.heads, max_len=a.max_len,
-                        task_tokens=not a.no_task_tokens, dropout=a.dropout, items=items)
 
 
 def build_item_table(a: argparse.Namespace, num_items: int, world: int, device) -> distributed.ItemTable:
@@ -960,7 +952,7 @@ def _train_in(a: argparse.Namespace, out: Path, d: Splits, device, rank: int, wo
 
     with user_input():
         table = build_item_table(a, d.num_items, world, device)
-    model = build_model(a, d.num_items, items=table).to(device)
+    model = build_model(model_config(a), d.num_items, items=table).to(device)
     collective = table.sharded  # every rank reads a sharded table: all evaluate and save, rank 0 writes
     ddp = model
     if world > 1:

@@ -22,6 +22,7 @@ from flexhstu import checkpoint, distributed, train
 from flexhstu.cli.common import UserError
 from flexhstu.data import synthetic
 from flexhstu.data.synthetic_source import SyntheticSource
+from flexhstu.models import build_model
 
 TINY = ["--data", "synthetic", "--dim", "16", "--layers", "1", "--heads", "2", "--max-len", "20", "--batch-size", "64",
         "--negatives", "32", "--quiet", "--device", "cpu", "--dropout", "0"]
@@ -209,7 +210,7 @@ def sharded_run():
     """Arguments, data, model and optimizer of a small run saved in the sharded format (one process)."""
     a = train.parse([*TINY, "--shard-embeddings", "rowwise"])
     d = train.prepare_data(a)
-    model = train.build_model(a, d.num_items, items=distributed.ItemTable(d.num_items + 1, a.dim))
+    model = build_model(train.model_config(a), d.num_items, items=distributed.ItemTable(d.num_items + 1, a.dim))
     return a, d, model, torch.optim.AdamW(train.param_groups(a, model))
 
 
