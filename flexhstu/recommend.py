@@ -23,6 +23,7 @@ from .data import data_digest, load, synthetic
 from .data.sequences import user_sequences
 from .models import ModelConfig, build_model, make_batch
 from .models.ranking import TASKS
+from .run_settings import SYNTHETIC_DEFAULTS, saved_config
 
 
 @dataclass
@@ -49,8 +50,6 @@ class Recommender:
     def from_checkpoint(cls, path: str | Path, data: str | None = None, device="cpu") -> Recommender:
         """The best-validation weights of the run of ``path`` (a ``checkpoint.pt``); ``data`` replaces the run's
         ``--data`` path (same contents required)."""
-        from .train import SYNTHETIC_DEFAULTS, saved_config  # train imports the models and the CLI
-
         path = Path(path)
         device = checked_device(device)  # a bad device is not a bad checkpoint
         state = checkpoint.load(path, map_location=device)

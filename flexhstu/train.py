@@ -58,14 +58,8 @@ from .metrics import auc, gauc, list_ndcg, metric_key, parse_metrics, ranks_to_m
 from .models import ModelConfig, Popularity, build_model, make_batch, make_requests
 from .models.ranking import TASKS, RankingRequests, collate, min_events
 from .nn import onerank_loss
+from .run_settings import FIXED_ON_RESUME, SYNTHETIC_DEFAULTS, saved_config
 
-# Arguments that define the model, its data or its sample streams: ``--resume`` refuses a change to any of
-# them, since the resumed run would silently become a different experiment. ``--shard-embeddings`` decides
-# the checkpoint's format, so it stays too; the number of ranks may change.
-FIXED_ON_RESUME = ("task", "model", "data", "columns", "mask", "sla_k1", "sla_k2", "no_rel_bias", "no_task_tokens",
-                   "dim", "layers", "heads", "max_len", "dropout", "negatives", "batch_size", "seed",
-                   "synthetic_users", "synthetic_items", "synthetic_len", "steps_per_epoch", "eval_users",
-                   "shard_embeddings")
 BUILTIN_DATA = ("ml-100k", "synthetic")
 
 
@@ -75,7 +69,6 @@ def data_path(data: str) -> str:
     return data if data in BUILTIN_DATA else os.path.abspath(data)
 
 
-SYNTHETIC_DEFAULTS = {"synthetic_users": 300, "synthetic_items": 200, "synthetic_len": 40}
 IDS_IN_CHECKPOINT = 1 << 20  # a synthetic run records its ids (1..n) for `recommend` up to this many
 WARMUP_STEPS = 3  # steps of each invocation left out of the steady tokens/s (allocation, kernel compilation)
 
@@ -575,27 +568,6 @@ def run_config(a: argparse.Namespace, d: Splits) -> dict:
             "data_digest": d.digest, "lr": a.lr, "epochs": a.epochs}
 
 
-CONFIG_ALWAYS_RECORDED = ("task", "model", "data", "mask", "sla_k1", "sla_k2", "no_task_tokens", "dim", "layers",
-                          "heads", "max_len", "dropout", "negatives", "batch_size", "seed", "data_rows", "num_items",
-                          "lr", "epochs")
-"""The settings every flexhstu checkpoint has recorded; the others of ``FIXED_ON_RESUME`` came later."""
-
-
-def saved_config(state: dict, path: str | os.PathLike) -> dict:
-    """The run settings of a loaded checkpoint ``state``, as ``run_config`` makes them, for ``--resume`` and
-    ``flexhstu recommend`` alike. A setting added since the checkpoint was written had its default then; one that
-    every checkpoint records is required (``ValueError`` naming ``path`` and the key)."""
-    config = state["config"]
-    if not isinstance(config, dict):
-        raise ValueError(f"{path}: not a complete flexhstu run checkpoint (its configuration is a "
-                         f"{type(config).__name__}, not a dict)")
-    missing = [k for k in CONFIG_ALWAYS_RECORDED if k not in config]
-    if missing:
-        raise ValueError(f"{path}: not a complete flexhstu run checkpoint (its configuration lacks '{missing[0]}')")
-    parser = build_parser()
-    return {**{k: _default(parser, k) for k in FIXED_ON_RESUME}, "data_digest": None, **config}
-
-
 def resume(a: argparse.Namespace, d: Splits, out: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, device,
            rank: int) -> Progress:
     """Weights, optimizer and progress from ``out/checkpoint.pt`` (and the sharded folder it names), after checking
@@ -657,11 +629,6 @@ def resume(a: argparse.Namespace, d: Splits, out: Path, model: torch.nn.Module, 
         for note in notes:
             print(f"flexhstu train: resuming: {note}", file=sys.stderr)
     return Progress(state["history"], state["epoch"], state["best"])
-
-
-def _default(parser: Parser, key: str):
-    """What a run had for ``key`` before the setting existed: its default."""
-    return parser.get_default(key) if key in FIXED_ON_RESUME else None
 
 
 def save_checkpoint(a: argparse.Namespace, d: Splits, out: Path, model, opt, p: Progress, new_best: bool,

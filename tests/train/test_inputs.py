@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flexhstu import checkpoint, train
+from flexhstu import checkpoint, run_settings, train
 from flexhstu.cli.common import UserError
 from flexhstu.data import synthetic
 
@@ -117,6 +117,14 @@ def test_a_checkpoint_older_than_a_setting_resumes_with_the_settings_default(tmp
     assert [h["epoch"] for h in train.main(argv + ["--resume"])["history"]] == [1, 2]
     with pytest.raises(UserError, match="--eval-users 0 in the checkpoint, 5 now"):
         train.main(argv + ["--resume", "--eval-users", "5"])
+
+
+def test_a_setting_added_later_reads_in_an_older_checkpoint_as_the_options_default():
+    # saved_config fills such a setting from run_settings.BEFORE_ADDED, not from the parser: a default changed
+    # later must keep the old value there, or older runs would resume as runs they never were.
+    later = [k for k in run_settings.FIXED_ON_RESUME if k not in run_settings.CONFIG_ALWAYS_RECORDED]
+    parser = train.build_parser()
+    assert {k: parser.get_default(k) for k in later} == run_settings.BEFORE_ADDED
 
 
 def test_a_checkpoint_whose_configuration_lacks_a_key_is_named_alike_by_resume_and_recommend(one_epoch, tmp_path,
