@@ -160,6 +160,6 @@ def test_ctrl_c_is_one_line_and_status_130(monkeypatch, capsys):
     def interrupted(a):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(train, "train", interrupted)
+    monkeypatch.setattr(train.loop, "train", interrupted)
     assert train.cli(["--data", "synthetic", "--quiet"]) == 130
     assert capsys.readouterr().err.strip() == "flexhstu train: interrupted"

@@ -135,7 +135,7 @@ def test_a_run_killed_before_its_first_output_leaves_latest_on_the_run_before(tm
         raise KeyboardInterrupt
 
     with monkeypatch.context() as m:
-        m.setattr(train, "train_epoch", killed)
+        m.setattr(train.loop, "train_epoch", killed)
         with pytest.raises(KeyboardInterrupt):
             train.main(TINY + ["--epochs", "2", "--quiet"])
     assert len([p for p in (tmp_path / "runs").iterdir() if not p.is_symlink()]) == 2
@@ -180,7 +180,7 @@ def test_a_filesystem_root_or_the_home_folder_is_refused_as_out(tmp_path, monkey
     def claimed(out):  # were the folder accepted, nothing may be written into / here
         raise AssertionError(f"the run claimed {out}")
 
-    monkeypatch.setattr(train, "lock_run", claimed)
+    monkeypatch.setattr(train.run_folder, "lock_run", claimed)
     out = "/" if where == "root" else str(tmp_path / "home" / ".." / "home")
     assert train.cli(TINY + ["--epochs", "1", "--steps-per-epoch", "1", "--out", out]) == 2
     why = "the filesystem root" if where == "root" else "the home folder itself"
