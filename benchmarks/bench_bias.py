@@ -71,7 +71,7 @@ def kernel_times(fn) -> dict[str, float]:
 
 def run(name: str, mask: str, args) -> dict:
     from flexhstu import Kernel, hstu_mha, masks
-    from flexhstu.bench.common import captured
+    from flexhstu.bench.timing import captured
     from flexhstu.jagged import offsets_from_lengths
     from flexhstu.ops.bias import RelativeBias
 

@@ -27,7 +27,7 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-BIAS, DKDV = "ops/triton/bias.py", "ops/triton/backward.py"
+BIAS, DKDV = "ops/triton/bias_tiles.py", "ops/triton/backward.py"
 POS_GRAD = "    # Positions: diagonal sums"
 TIME_GRAD = "    prev = tl.sum(tl.sum(g, axis=1), axis=0)\n    if WIDE:"
 POS_ATOMIC = 'tl.atomic_add(dpos + d, diag, mask=(uu[:, None] < NU) & (ee[None, :] < 2 * G - 1), sem="relaxed")'

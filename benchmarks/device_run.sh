@@ -9,7 +9,7 @@
 #   bias     the relative attention bias in the kernels vs the same kernels without it (benchmarks/bench_bias.py)
 #   bias-ablate  where the bias's time goes: the bias with one part of its work taken out at a time
 #            (benchmarks/bias_ablations.py, causal; ABLATE_ONLY=causal,sla for both)
-#   stu      the STU model step (flexhstu/bench/stu.py --suite), step time and peak memory
+#   stu      the STU model step (flexhstu/bench/stu_step.py --suite), step time and peak memory
 #   serving  cached delta scoring vs full recompute (flexhstu/bench/serving.py --quick)
 #   aoti-probe  which small AOTInductor packages compile, load and run (benchmarks/aoti_probe.py, a process each)
 #   aoti     the micro-batch scorer compiled with AOTInductor vs eager (flexhstu/bench/serving.py --aoti --quick)
@@ -59,7 +59,7 @@ for s in $stages; do
     bias-ablate) run bias-ablate 480 python3 benchmarks/bias_ablations.py --only "${ABLATE_ONLY:-causal}" \
                    --out "$OUT/bias-ablations" ;;
     aoti-probe) run aoti-probe 420 python3 benchmarks/aoti_probe.py --log-dir "$OUT/aoti-probe" ;;
-    stu) run stu 220 python3 -m flexhstu.bench.stu --suite --dropout 0 --variants eager lean default \
+    stu) run stu 220 python3 -m flexhstu.bench.stu_step --suite --dropout 0 --variants eager lean default \
            --json "$OUT/stu.json" ;;
     serving) run serving 200 python3 -m flexhstu.bench.serving --quick --json "$OUT/serving.json" ;;
     serving-profile) run serving-profile 150 python3 benchmarks/profile_serving.py --out "$OUT/profile-serving" ;;

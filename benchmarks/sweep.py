@@ -122,7 +122,7 @@ def kernel_times(fb, iters=5) -> dict[str, float]:
 def graph_ms(fb) -> float:
     import triton
 
-    from flexhstu.bench.common import captured
+    from flexhstu.bench.timing import captured
 
     return triton.testing.do_bench(captured(fb), warmup=10, rep=40, return_mode="median")
 

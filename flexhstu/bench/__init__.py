@@ -1,14 +1,14 @@
 """Benchmarks: what ``flexhstu bench`` runs, one module per benchmark.
 
 * ``attention``: ``hstu_mha`` (Triton) against FlexAttention and SDPA on the same shapes and masks;
-* ``stu``: the STU stack's forward + backward step, time and peak memory per layer variant
+* ``stu_step``: the STU stack's forward + backward step, time and peak memory per layer variant
   (``flexhstu bench --model-step``);
 * ``serving``: cached delta scoring against a full recompute, the delta kernel, AOTInductor
   (``flexhstu bench --serving``); its parts are measured in ``serving_scoring``, ``serving_kernel`` and
   ``serving_aoti``, on the model and inputs of ``serving_setup``.
 
-Measurement lives in those modules, the markdown tables in ``tables``, the timing helpers they share in
-``common``. Each module runs as ``python -m flexhstu.bench.<name>`` with the options of its
+Measurement lives in those modules, the markdown tables in ``report``, the timing helpers they share in
+``timing``. Each module runs as ``python -m flexhstu.bench.<name>`` with the options of its
 ``flexhstu bench`` form; the submodules are imported on demand, so ``import flexhstu.bench`` stays cheap.
 """
 

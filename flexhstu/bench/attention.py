@@ -17,7 +17,7 @@ once (``flexhstu.build_plan``, as a model does per batch) and every timed call r
 
     flexhstu bench --suite                         # the configurations of benchmarks/RESULTS.md
     flexhstu bench --batch 8 --seq 4096 --mask sla --sla-k1 256 --sla-k2 32   # your own shape
-    flexhstu bench --model-step --suite            # the STU stack's step (flexhstu/bench/stu.py)
+    flexhstu bench --model-step --suite            # the STU stack's step (flexhstu/bench/stu_step.py)
     python -m flexhstu.bench.attention --suite     # the same as flexhstu bench --suite
 """
 
@@ -33,8 +33,8 @@ import torch
 from .. import Kernel, build_plan, hstu_mha, masks
 from ..cli.common import Parser
 from ..jagged import offsets_from_lengths
-from .common import Timing, captured, median_of
-from .tables import attention_table
+from .report import attention_table
+from .timing import Timing, captured, median_of
 
 MASKS = ("causal", "targets", "window", "sla", "onerank", "random")
 
@@ -227,10 +227,10 @@ def run_case(case: Case, *, repeats: int = 3, warmup: int = 10, rep: int = 40, f
 def main(argv: list[str] | None = None) -> int:
     argv = list(argv) if argv is not None else sys.argv[1:]
     if "--model-step" in argv:  # the STU benchmark parses its own options
-        from . import stu
+        from . import stu_step
 
         argv.remove("--model-step")
-        return stu.main(argv)
+        return stu_step.main(argv)
     p = Parser(prog="flexhstu bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--model-step", action="store_true",
                    help="time the STU stack's forward+backward instead (options: flexhstu bench --model-step --help)")

@@ -44,7 +44,7 @@ An out-of-memory error or an input the library refuses is reported in the row's 
 
 This module is the command (options, progress, output); the parts are measured in ``serving_scoring``,
 ``serving_kernel`` and ``serving_aoti``, on the model and inputs of ``serving_setup``, and printed by
-``tables``.
+``report``.
 
     python -m flexhstu.bench.serving --quick --json serving.json     # history 16384, 2048 candidates, 4 layers
     python -m flexhstu.bench.serving --hist 4096 --json serving-4k.json   # a slice of the full grid
@@ -65,11 +65,11 @@ import torch
 
 from ..cli.common import Parser, non_negative_int, positive_int
 from ..ops import Kernel
+from .report import aoti_table, kernel_table, scoring_table
 from .serving_aoti import aoti_rows
 from .serving_kernel import kernel_rows
 from .serving_scoring import scoring_rows
 from .serving_setup import FULL, GROUP, QUICK, Grid, Setup
-from .tables import aoti_table, kernel_table, scoring_table
 
 
 def positive_list(text: str) -> list[int]:

@@ -12,7 +12,6 @@ import torch
 from .. import serving
 from ..models import OneRankModel
 from ..serving import HistoryCache
-from .common import Latency
 from .serving_setup import (
     GROUP,
     Grid,
@@ -26,6 +25,7 @@ from .serving_setup import (
     rel_diff,
     reported,
 )
+from .timing import Latency
 
 
 @dataclass

@@ -16,8 +16,8 @@ from ..jagged import offsets_from_lengths
 from ..models import OneRankModel
 from ..models.ranking import TASKS
 from ..ops import Kernel
-from . import common
-from .common import Latency
+from . import timing
+from .timing import Latency
 
 GROUP = len(TASKS) + 1  # tokens per candidate: the candidate and its task tokens
 ITEMS = 10_000  # catalogue size of the random model (the embedding table is not what is measured)
@@ -99,7 +99,7 @@ def make_candidates(setup: Setup, *, users: int, cands: int) -> tuple[torch.Tens
 def latencies(call: Callable[[], object], setup: Setup) -> tuple[object, Latency]:
     """``call``'s last output and its latency: ``setup.warmup`` calls, then ``setup.samples`` calls, each timed
     with CUDA events from an idle device (CPU: wall time)."""
-    return common.latencies(call, setup.device, samples=setup.samples, warmup=setup.warmup)
+    return timing.latencies(call, setup.device, samples=setup.samples, warmup=setup.warmup)
 
 
 def device_ms(call: Callable[[], object], setup: Setup) -> tuple[float, float]:
@@ -110,7 +110,7 @@ def device_ms(call: Callable[[], object], setup: Setup) -> tuple[float, float]:
         return lat.median_ms, lat.median_ms
     import triton.testing
 
-    replay = common.captured(call)  # warm-up (compiles the kernels) off the capture stream, then the capture
+    replay = timing.captured(call)  # warm-up (compiles the kernels) off the capture stream, then the capture
     graph_ms = triton.testing.do_bench(replay, return_mode="median")
     eager_ms = triton.testing.do_bench(call, return_mode="median")
     del replay  # the graph and its memory pool

@@ -12,7 +12,7 @@ from torch import nn
 
 from .._errors import as_finite, as_int, bad_type, bad_value
 from ..ops import AttnPlan, Kernel, build_plan, hstu_mha
-from .bias import RelativeTimePositionBias
+from .learned_bias import RelativeTimePositionBias
 from .stu_lean import EAGER, GatedOutput, NormLinear, compiled_bodies, dropout_keep, gate
 
 

@@ -22,7 +22,7 @@ from ..masks.rules import FixedRule
 from .capability import triton_unsupported_reason
 from .hstu_mha import _check_func_alone, _check_qkv, _check_same_device, _checked_rule
 from .kernel import Kernel
-from .pytorch.delta import pytorch_delta_hstu_mha
+from .pytorch.delta_reference import pytorch_delta_hstu_mha
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

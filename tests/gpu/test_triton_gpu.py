@@ -323,9 +323,9 @@ def _safe_reference(offs: torch.Tensor, total: int) -> torch.Tensor:
 
 def test_safe_offsets_on_cuda_and_kernels_that_follow_them():
     # The kernels never follow the caller's offsets on CUDA (nothing reads them): one launch makes them safe.
-    from flexhstu.ops.pytorch.delta import pytorch_delta_hstu_mha
+    from flexhstu.ops.pytorch.delta_reference import pytorch_delta_hstu_mha
+    from flexhstu.ops.triton.block_tables import safe_offsets
     from flexhstu.ops.triton.delta_op import triton_delta_hstu_mha
-    from flexhstu.ops.triton.tables import safe_offsets
 
     g = torch.Generator(device="cuda").manual_seed(11)
     for n in (2, 5, 1024, 1025, 5000):  # one chunk, several chunks of the scan

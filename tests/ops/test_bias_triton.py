@@ -1,4 +1,4 @@
-"""The relative attention bias in the Triton kernels (flexhstu.ops.triton.bias) against the reference, under
+"""The relative attention bias in the Triton kernels (flexhstu.ops.triton.bias_tiles) against the reference, under
 TRITON_INTERPRET=1 on the CPU (or on a GPU when one is present).
 
 The interpreter's blocks are small and unequal (32 x 16 forward, 16 x 32 backward) and its key-major split
@@ -24,7 +24,7 @@ import flexhstu
 from flexhstu import Kernel, masks
 from flexhstu.ops.bias import RelativeBias, dense_relative_bias, time_bucket
 from flexhstu.ops.plan import build_plan
-from flexhstu.ops.triton import bias as kbias
+from flexhstu.ops.triton import bias_tiles as kbias
 from flexhstu.ops.triton import triton_hstu_mha
 from flexhstu.ops.triton.debug import poison_outputs
 

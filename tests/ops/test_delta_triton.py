@@ -72,7 +72,7 @@ def test_query_rows_outside_their_sequence_get_zero_rows_without_a_check():
     q, k, v, offs, rows, q_offsets, _ = batch()
     bad_start = torch.tensor([25, 0, -20, 1000])  # rows 15.. of seq 0, rows 0..19 of seq 2, all of seq 3 are outside
     got = triton_delta_hstu_mha(q[rows], k, v, offs, q_offsets, bad_start, alpha=0.3, out_scale=1 / 80)
-    want = flexhstu.ops.pytorch.delta.pytorch_delta_hstu_mha(
+    want = flexhstu.ops.pytorch.delta_reference.pytorch_delta_hstu_mha(
         q[rows], k, v, offs, q_offsets, bad_start, flexhstu.masks.rules.FixedRule(), alpha=0.3, scaling_seqlen=80,
         max_seq_len=80)
     outside = torch.cat([torch.arange(15, 30), torch.arange(30, 50), torch.arange(80, 89)])
@@ -163,8 +163,8 @@ def test_offsets_that_break_the_rules_keep_the_delta_kernel_inside_its_buffers(b
     # On CUDA delta_hstu_mha reads no offsets (no sync): the kernel follows safe copies (clamped, non-decreasing,
     # 0 first, the rows last). In bounds (the interpreter raises on an out-of-bounds access) and equal to the
     # reference on the safe offsets.
-    from flexhstu.ops.pytorch.delta import pytorch_delta_hstu_mha
-    from flexhstu.ops.triton.tables import safe_offsets
+    from flexhstu.ops.pytorch.delta_reference import pytorch_delta_hstu_mha
+    from flexhstu.ops.triton.block_tables import safe_offsets
 
     q, k, v, _, rows, _, q_start = batch()
     bad_kv, bad_q = torch.tensor(bad_kv), torch.tensor(bad_q)

@@ -317,7 +317,7 @@ def test_head_dim_above_the_limit_is_rejected_naming_the_argument():
 def test_fp32_dot_precision_follows_allow_tf32(allow_tf32):
     # The interpreter computes both precisions exactly, so this checks the constexpr the kernels are launched with.
     from flexhstu.ops.triton.op import Visibility, _attention_args
-    from flexhstu.ops.triton.rules import MODE_CAUSAL
+    from flexhstu.ops.triton.row_intervals import MODE_CAUSAL
 
     offs = offsets_from([4])
     x32, x16 = torch.zeros(4, 1, 16), torch.zeros(4, 1, 16, dtype=torch.float16)
@@ -368,7 +368,7 @@ def test_offsets_that_break_the_rules_keep_the_kernels_inside_their_buffers(bad,
     # raises on an out-of-bounds access; the audit saw a double free), every row written, and equal to the
     # reference on the offsets made safe.
     from flexhstu.ops.triton import triton_hstu_mha
-    from flexhstu.ops.triton.tables import safe_offsets
+    from flexhstu.ops.triton.block_tables import safe_offsets
 
     total = 19
     bad = torch.tensor(bad, dtype=torch.int64, device=DEVICE)

@@ -19,13 +19,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .bias import add_bias, bias_cols, bias_grad, bias_rows, query_major_bias, tile_buckets
+from .bias_tiles import add_bias, bias_cols, bias_grad, bias_rows, query_major_bias, tile_buckets
+from .block_tables import first_block, locate_block
+from .hulls import block_is_full, interval_visibility
 from .memory import load_rows, tile_mask, tile_ptrs
-from .plan import block_is_full, interval_visibility
 from .query_major import query_major_program
-from .rules import MODE_CAUSAL, causal_bounds, head_func, sequence_targets
+from .row_intervals import MODE_CAUSAL, causal_bounds, head_func, sequence_targets
 from .silu import finite_below, sigmoid
-from .tables import first_block, locate_block
 
 
 @triton.jit

@@ -13,10 +13,10 @@ import torch
 import triton
 
 from .args import FixedRule, Func
+from .block_tables import BlockTables, safe_offsets
 from .config import Tile
-from .plan import _plan_kernel
-from .rules import BIG, MODE_CAUSAL, MODE_FUNC
-from .tables import BlockTables, safe_offsets
+from .hulls import _plan_kernel
+from .row_intervals import BIG, MODE_CAUSAL, MODE_FUNC
 
 
 @dataclass

@@ -10,12 +10,12 @@ from contextvars import ContextVar
 import torch
 
 from .args import jagged
+from .block_tables import block_table, safe_offsets
 from .config import tiles
-from .delta import delta_forward_kernel
+from .delta_kernel import delta_forward_kernel
 from .limits import tile_dim
 from .op import Visibility, _attention_args, _interpreting, _last_dim_contiguous
-from .rules import MODE_CAUSAL, MODE_FIXED, MODE_FUNC
-from .tables import block_table, safe_offsets
+from .row_intervals import MODE_CAUSAL, MODE_FIXED, MODE_FUNC
 
 MAX_SPLITS = 16
 _FORCED_SPLITS: ContextVar[int | None] = ContextVar("flexhstu_delta_splits", default=None)

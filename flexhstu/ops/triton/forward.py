@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .bias import query_major_bias
+from .bias_tiles import query_major_bias
 from .memory import load_rows
 from .query_major import query_major_program
 from .silu import finite_below, sigmoid

@@ -8,7 +8,7 @@ import torch
 
 from ..._errors import bad_value
 from ..bias import RelativeBias
-from . import bias as kbias
+from . import bias_tiles as kbias
 from .args import jagged
 from .backward import hstu_backward_dkdv_kernel, hstu_backward_dq_kernel
 from .block_plan import BlockPlan, Visibility
@@ -16,7 +16,7 @@ from .config import Tiles, tiles
 from .debug import poisoning
 from .forward import hstu_forward_kernel
 from .limits import MAX_HEAD_DIM, MIN_HEAD_DIM, head_dim_supported, tile_dim
-from .rules import BIG, MODE_CAUSAL, MODE_FIXED, MODE_FUNC
+from .row_intervals import BIG, MODE_CAUSAL, MODE_FIXED, MODE_FUNC
 
 _NEVER_SPLIT = int(BIG)
 """A chunk longer than any key block's query range (in query blocks)."""
@@ -323,7 +323,7 @@ def triton_hstu_mha(q, k, v, seq_offsets, *, func=None, num_targets=None, causal
     0 or smaller than the longest sequence included, gives the same result.
 
     ``rel_bias``: a ``flexhstu.ops.bias.RelativeBias`` (checked by the caller, ``check_relative_bias``), added
-    to the scores before the silu, computed per tile from its tables (``flexhstu.ops.triton.bias``); the
+    to the scores before the silu, computed per tile from its tables (``flexhstu.ops.triton.bias_tiles``); the
     tables get gradients when they require them, the timestamps never.
     """
     for name, d in (("q.shape[2] (Dqk)", q.shape[2]), ("v.shape[2] (Dv)", v.shape[2])):

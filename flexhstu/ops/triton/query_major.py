@@ -13,9 +13,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .bias import bias_rows
-from .memory import load_rows, store_rows
-from .plan import (
+from .bias_tiles import bias_rows
+from .block_tables import locate_block
+from .hulls import (
     block_bounds,
     block_is_full,
     bounds_from_intervals,
@@ -26,8 +26,8 @@ from .plan import (
     mask_from_intervals,
     wide_hull,
 )
-from .rules import MODE_CAUSAL, head_func, sequence_targets
-from .tables import locate_block
+from .memory import load_rows, store_rows
+from .row_intervals import MODE_CAUSAL, head_func, sequence_targets
 
 
 @triton.jit

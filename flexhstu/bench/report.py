@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .common import Timing, fmt
+from .timing import Timing, fmt
 
 if TYPE_CHECKING:
     from .attention import Row
     from .serving_aoti import AotiRow
     from .serving_kernel import KernelRow
     from .serving_scoring import ScoringRow
-    from .stu import StepRow
+    from .stu_step import StepRow
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -11,10 +11,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .block_tables import locate_block
 from .forward import attend
 from .memory import load_rows, store_rows
 from .query_major import query_major_walk
-from .tables import locate_block
 
 
 @triton.jit

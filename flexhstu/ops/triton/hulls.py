@@ -27,8 +27,8 @@ import os
 import triton
 import triton.language as tl
 
-from .rules import BIG, head_func, row_interval, sequence_targets
-from .tables import first_block, locate_block
+from .block_tables import first_block, locate_block
+from .row_intervals import BIG, head_func, row_interval, sequence_targets
 
 
 @triton.jit

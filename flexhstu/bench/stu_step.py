@@ -13,8 +13,8 @@ Before it runs, the benchmark bounds the memory of its largest step from the siz
 refuses, naming the sizes to lower, what the device has no room for; while it runs, a line on stderr
 says which step it is at.
 
-    python -m flexhstu.bench.stu --suite               # causal, window 256, SLA 256/32, jagged
-    python -m flexhstu.bench.stu --mask window --variants default eager --json out.json
+    python -m flexhstu.bench.stu_step --suite          # causal, window 256, SLA 256/32, jagged
+    python -m flexhstu.bench.stu_step --mask window --variants default eager --json out.json
     flexhstu bench --model-step --suite                # the same, through the command
 """
 
@@ -37,7 +37,7 @@ from .. import masks
 from ..cli.common import Parser
 from ..jagged import offsets_from_lengths
 from ..nn import STULayerConfig, STUStack
-from .tables import STEP_HEADER, step_row
+from .report import STEP_HEADER, step_row
 
 VARIANTS = {
     "eager": dict(recompute=False, compile=False),
