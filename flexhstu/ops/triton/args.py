@@ -30,10 +30,10 @@ class Func(NamedTuple):
     stride_t: int
 
 
-class FixedRule(NamedTuple):
-    """The fixed rule's parameters (docs/design.md, section 3): ``num_targets`` ``(B,)`` (read only
-    when the kernel's HAS_TARGETS is set), ``contextual_seq_len``, ``max_attn_len``,
-    ``min_full_attn_seq_len``."""
+class RuleArgs(NamedTuple):
+    """The kernels' ``rule`` argument: the fixed rule's parameters (docs/design.md, section 3; the caller's
+    form is ``flexhstu.masks.rules.FixedRule``): ``num_targets`` ``(B,)`` (read only when the kernel's
+    HAS_TARGETS is set), ``contextual_seq_len``, ``max_attn_len``, ``min_full_attn_seq_len``."""
 
     num_targets: torch.Tensor
     contextual: int

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .args import FixedRule, Func
+from .args import Func, RuleArgs
 from .block_tables import BlockTables, safe_offsets
 from .config import Tile
 from .hulls import _plan_kernel
@@ -53,7 +53,7 @@ class Visibility:
         func = Func(placeholder, 0, 0, 0) if f is None else Func(f, f.stride(0) if self.per_head() else 0,
                                                                   f.stride(1), f.stride(2))
         nt = self.num_targets if self.num_targets is not None else placeholder
-        return dict(func=func, rule=FixedRule(nt, self.contextual, self.window, self.min_full),
+        return dict(func=func, rule=RuleArgs(nt, self.contextual, self.window, self.min_full),
                     NFUNC=self.nfunc(), MODE=self.mode, HAS_TARGETS=self.num_targets is not None,
                     INTERVALS_POW2=self.intervals_pow2())
 

@@ -48,7 +48,7 @@ def hstu_forward_kernel(
     BIAS=None, HAS_BIAS: tl.constexpr = False,
 ):
     """``Q``, ``K``: ``Jagged (total, H, DIM_QK)``; ``V``, ``OUT``: ``Jagged (total, H, DIM_V)``;
-    ``func``: ``Func``; ``rule``: ``FixedRule``; ``ATTN_SCALE``: float32 ``(total,)``, each output row's
+    ``func``: ``Func``; ``rule``: ``RuleArgs``; ``ATTN_SCALE``: float32 ``(total,)``, each output row's
     factor (read when HAS_ATTN_SCALE); ``BIAS``: ``bias.Bias``, added to the scores when HAS_BIAS;
     grid ``(n_flat, H)``."""
     query_major_program(

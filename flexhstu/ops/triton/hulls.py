@@ -15,7 +15,7 @@ them in their prologue; the key-major backward reads them from
 query blocks that see it.
 
 Every helper here takes the mask as ``func`` (one head's rows, ``head_func``),
-``targets`` (this sequence's num_targets) and ``rule`` (``FixedRule``), and the
+``targets`` (this sequence's num_targets) and ``rule`` (``RuleArgs``), and the
 query block as ``rows`` (local positions), ``rows_g`` (jagged rows), ``row_ok``
 (``rows < L``) and ``L``.
 """
