@@ -1,5 +1,5 @@
-"""The relative attention bias in the Triton kernels (flexhstu.ops.triton.bias_tiles) against the reference, under
-TRITON_INTERPRET=1 on the CPU (or on a GPU when one is present).
+"""The relative attention bias in the Triton kernels (flexhstu.ops.triton.bias_tables and bias_tiles) against
+the reference, under TRITON_INTERPRET=1 on the CPU (or on a GPU when one is present).
 
 The interpreter's blocks are small and unequal (32 x 16 forward, 16 x 32 backward) and its key-major split
 runs in chunks of two query blocks, so these lengths cross many blocks, split ranges and (one test) the
@@ -24,8 +24,7 @@ import flexhstu
 from flexhstu import Kernel, masks
 from flexhstu.ops.bias import RelativeBias, dense_relative_bias, time_bucket
 from flexhstu.ops.plan import build_plan
-from flexhstu.ops.triton import bias_tiles as kbias
-from flexhstu.ops.triton import triton_hstu_mha
+from flexhstu.ops.triton import bias_tables, bias_tiles, triton_hstu_mha
 from flexhstu.ops.triton.debug import poison_outputs
 
 pytestmark = pytest.mark.skipif(
@@ -45,7 +44,7 @@ def _poisoned_outputs():
 
 def edge_gaps(num_buckets: int, limit: float = 1e8) -> list[int]:
     """Gaps on both sides of every bucket edge below ``limit`` (the bucket changes between E - 1 and E)."""
-    edges = [int(e) for e in kbias.bucket_edges(num_buckets)[1:-1] if e < limit]
+    edges = [int(e) for e in bias_tables.bucket_edges(num_buckets)[1:-1] if e < limit]
     return sorted({g for e in edges for g in (e - 1, e, e + 1)})
 
 
@@ -193,7 +192,7 @@ def test_the_kernel_bias_equals_the_dense_reference_bias(times):
     ts_w = torch.randn(HEADS, buckets + 1, generator=g).to(DEVICE)
     rel = RelativeBias(pos_w, ts_w, make_times(lengths, times, num_buckets=buckets).to(DEVICE))
     want = dense_relative_bias(rel, offs, n)  # (B, H, n, n)
-    prep = kbias.prepare(rel, offs.to(torch.int64).contiguous(), total, with_grads=False)
+    prep = bias_tables.prepare(rel, offs.to(torch.int64).contiguous(), total, with_grads=False)
     wide = prep.args.seq_wide.tolist()
     assert wide == ([1, 0, 0, 0] if times == "wide" else [0, 0, 0, 0])
     # The narrow sequences of the wide case also run with the int64 path compiled in (its int32 branch).
@@ -221,27 +220,27 @@ def _bias_probe_kernel(bias, OFFS, OUT, n, BM: tl.constexpr, BN: tl.constexpr, T
     m0 = tl.program_id(1) * BM
     if m0 < L:
         rows = m0 + tl.arange(0, BM)
-        ai, amin, amax, base_a = kbias.bias_rows(bias, seq_start, L, rows, m0)
+        ai, amin, amax, base_a = bias_tiles.bias_rows(bias, seq_start, L, rows, m0)
         for n0 in range(0, L, BN):
             cols = n0 + tl.arange(0, BN)
-            bi, bmin, bmax, base_b = kbias.bias_cols(bias, seq_start, L, cols, n0)
+            bi, bmin, bmax, base_b = bias_tiles.bias_cols(bias, seq_start, L, cols, n0)
             d = base_a - base_b
-            b_lo, b_hi = kbias.tile_buckets(bias, amin, amax, bmin, bmax, d)
+            b_lo, b_hi = bias_tiles.tile_buckets(bias, amin, amax, bmin, bmax, d)
             ok = (rows[:, None] < L) & (cols[None, :] < L)
             out = OUT + ((b * tl.num_programs(2) + h) * n + rows[:, None]) * n + cols[None, :]
             if TRANS:
                 zero = tl.zeros((BN, BM), tl.float32)
-                t = kbias.add_bias(zero, bias, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, True, WIDE)
+                t = bias_tiles.add_bias(zero, bias, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, True, WIDE)
                 tl.store(out, tl.trans(t), mask=ok)
             else:
                 zero = tl.zeros((BM, BN), tl.float32)
-                t = kbias.add_bias(zero, bias, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, False, WIDE)
+                t = bias_tiles.add_bias(zero, bias, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, False, WIDE)
                 tl.store(out, t, mask=ok)
 
 
 def test_bucket_edges_reproduce_the_reference_bucket_of_every_gap_around_them():
     for nb in (1, 10, 128, 200):
-        edges = kbias.bucket_edges(nb)
+        edges = bias_tables.bucket_edges(nb)
         assert len(edges) == nb + 2 and edges[0] == -1 and math.isinf(edges[-1])
         finite = [int(e) for e in edges[1:-1] if e < 2**53]
         gaps = torch.tensor(sorted({x for e in finite for x in (e - 1, e, e + 1)} | {0, 1, 2**40}))

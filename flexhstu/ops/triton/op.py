@@ -8,7 +8,7 @@ import torch
 
 from ..._errors import bad_value
 from ..bias import RelativeBias
-from . import bias_tiles as kbias
+from . import bias_tables
 from .args import jagged
 from .backward import hstu_backward_dkdv_kernel, hstu_backward_dq_kernel
 from .block_plan import BlockPlan, Visibility
@@ -57,7 +57,7 @@ def _scale_args(attn_scale: torch.Tensor | None, offs: torch.Tensor) -> dict:
     return dict(ATTN_SCALE=offs if attn_scale is None else attn_scale, HAS_ATTN_SCALE=attn_scale is not None)
 
 
-def _bias_args(bias: kbias.Prepared | None) -> dict:
+def _bias_args(bias: bias_tables.Prepared | None) -> dict:
     """The relative bias's kernel arguments (none without one: the kernels compile as before)."""
     return {} if bias is None else dict(BIAS=bias.args, HAS_BIAS=True)
 
@@ -71,7 +71,7 @@ def call_tiles(q: torch.Tensor, v: torch.Tensor, vis: Visibility, bias: bool = F
 
 def forward(q, k, v, offs, vis: Visibility, alpha: float, out_scale: float,
             attn_scale: torch.Tensor | None = None, plan: BlockPlan | None = None,
-            tile_set: Tiles | None = None, bias: kbias.Prepared | None = None) -> torch.Tensor:
+            tile_set: Tiles | None = None, bias: bias_tables.Prepared | None = None) -> torch.Tensor:
     """``out_scale`` scales every row; with ``attn_scale`` (float32 ``(total,)``) row ``t`` is scaled by
     ``attn_scale[t]`` instead. ``tile_set``: the call's tiles (``call_tiles`` when None). ``bias``: a
     relative bias (``bias.prepare``) added to the scores."""
@@ -97,7 +97,7 @@ def forward(q, k, v, offs, vis: Visibility, alpha: float, out_scale: float,
 
 def backward(dout, q, k, v, offs, vis: Visibility, alpha: float, out_scale: float, max_seq_len: int,
              attn_scale: torch.Tensor | None = None, plan: BlockPlan | None = None, tile_set: Tiles | None = None,
-             bias: kbias.Prepared | None = None):
+             bias: bias_tables.Prepared | None = None):
     """dq, dk, dv; with ``bias`` the scores include it, and when its gradient buffers are allocated
     (``bias.prepare(with_grads=True)``) the dK/dV kernel adds the tables' gradients into them."""
     dout, q, k, v = _last_dim_contiguous(dout, q, k, v)
@@ -154,14 +154,14 @@ def _prepared(q: torch.Tensor, offs: torch.Tensor, pos_w, ts_w, timestamps, with
     """The kernels' relative bias (None without one, or for an empty batch)."""
     if pos_w is None or q.shape[0] == 0:
         return None
-    return kbias.prepare(RelativeBias(pos_w, ts_w, timestamps), offs, q.shape[0], with_grads)
+    return bias_tables.prepare(RelativeBias(pos_w, ts_w, timestamps), offs, q.shape[0], with_grads)
 
 
 def _table_grads(pos_w, ts_w, timestamps, prep) -> tuple[torch.Tensor, torch.Tensor]:
     """The tables' gradients (zeros for an empty batch)."""
     if prep is None:
         return torch.zeros_like(pos_w), torch.zeros_like(ts_w)
-    return kbias.table_grads(RelativeBias(pos_w, ts_w, timestamps), prep)
+    return bias_tables.table_grads(RelativeBias(pos_w, ts_w, timestamps), prep)
 
 
 @torch.library.custom_op("flexhstu::hstu_mha_fwd", mutates_args=())
@@ -251,7 +251,7 @@ class _HstuAttention(torch.autograd.Function):
         plan, alpha, out_scale, max_seq_len, tile_set, bias, tables = ctx.rest
         table_grads = tables[0] is not None and (ctx.needs_input_grad[11] or ctx.needs_input_grad[12])
         if bias is not None and table_grads:
-            bias = kbias.with_grad_buffers(bias)
+            bias = bias_tables.with_grad_buffers(bias)
         dq, dk, dv = backward(dout, q, k, v, offs, plan.vis, alpha, out_scale, max_seq_len, attn_scale, plan,
                               tile_set, bias)
         dpos = dts = None
