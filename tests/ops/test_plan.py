@@ -240,3 +240,49 @@ def test_building_a_plan_imports_no_triton():
     env = {k: val for k, val in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("name", ["causal", "sla", "random-per-head-5"])
+@pytest.mark.parametrize("chunk, max_split", [(2, 4), (1, 16), (3, 2)])
+def test_the_split_list_cuts_every_long_key_block_range_into_its_pieces(name, chunk, max_split):
+    # The dK/dV kernel walks piece 0 of each key block's query range in the key block's program and the listed
+    # pieces in workers: together they must cover [q_lo, q_hi) once, with at most max_split pieces, the last
+    # running to q_hi (ranges longer than chunk * max_split included).
+    from flexhstu.ops.triton.block_plan import BlockPlan, Visibility
+    from flexhstu.ops.triton.config import Tile
+    from flexhstu.ops.triton.row_intervals import MODE_CAUSAL, MODE_FUNC
+
+    lengths = [200, 0, 37, 70, 5]
+    offs = offsets_from(lengths).to(DEVICE)
+    total = sum(lengths)
+    func = None if name == "causal" else plan_kwargs(name, offs, lengths)["attn_func"]
+    vis = Visibility(MODE_CAUSAL if func is None else MODE_FUNC, func)
+    tile = Tile(16, 8, 4, 1)
+    km = BlockPlan(offs, total, vis).key_major(tile)
+    split = km.split_list(chunk, max_split)
+    nplan = km.qlo.shape[0] if func is not None else 1
+    ktab = km.ktab.cpu()
+    for hp in range(nplan):
+        items = {}
+        for i in range(int(split.n[hp])):
+            items.setdefault(int(split.kb[hp, i]), []).append((int(split.lo[hp, i]), int(split.hi[hp, i])))
+        for kf in range(km.n_kblocks):
+            seq = int(ktab[kf])
+            kb = kf - (int(offs[seq]) // tile.block_n + seq)
+            L = lengths[seq]
+            if kb * tile.block_n >= L:
+                assert kf not in items
+                continue
+            if func is None:
+                q_lo, q_hi = kb * tile.block_n // tile.block_m, -(-L // tile.block_m)
+            else:
+                q_lo, q_hi = int(km.qlo[hp, kf]), int(km.qhi[hp, kf])
+            span = q_hi - q_lo
+            if span <= chunk:
+                assert kf not in items, (kf, span)
+                continue
+            pieces = [(q_lo, q_lo + chunk)] + items[kf]
+            assert len(pieces) == min(-(-span // chunk), max_split)
+            assert [p[0] for p in pieces] == [q_lo + chunk * j for j in range(len(pieces))]
+            assert [p[1] for p in pieces[:-1]] == [p[0] for p in pieces[1:]] and pieces[-1][1] == q_hi
+    assert any(int(n) > 0 for n in split.n), "no key block was split: the test covers nothing"

@@ -230,6 +230,27 @@ def test_max_seq_len_is_only_a_hint_for_the_key_major_split(max_seq_len):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, msg=lambda m, what=what: f"{what}: {m}")
 
 
+@pytest.mark.parametrize("name", ["causal", "sla"])
+def test_key_blocks_cut_into_more_pieces_than_allowed_match_the_reference(name):
+    # The interpreter cuts key-major ranges into pieces of 2 query blocks (16 rows), at most 4 pieces, taken by 3
+    # workers: a 200-row sequence gives key blocks of 13 query blocks (the last piece runs to the end), and more
+    # pieces than workers (each worker takes several).
+    from flexhstu.ops.triton import triton_hstu_mha
+
+    lengths = [200, 0, 45]
+    offs = offsets_from(lengths).to(DEVICE)
+    q, k, v = batch(lengths, heads=1)
+    func = masks.causal(offs.cpu()) if name == "causal" else masks.sla(offs.cpu(), 40, 8)
+    out = triton_hstu_mha(q, k, v, offs, func=func.to(DEVICE), alpha=0.3, out_scale=1 / 200, max_seq_len=200)
+    ref = flexhstu.hstu_mha(200, 0.3, q, k, v, offs, attn_func=func.to(DEVICE), kernel=Kernel.PYTORCH)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    want = torch.autograd.grad(ref, (q, k, v), dout)
+    for g, w, what in zip(got, want, ("dq", "dk", "dv")):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, msg=lambda m, what=what: f"{what}: {m}")
+
+
 def _strided(x):
     """The same values as ``x`` (1-D), in a view with stride 2."""
     return torch.stack([x, torch.full_like(x, -7)], 1)[:, 0]

@@ -8,10 +8,13 @@ With ``s = alpha q.k``, ``sig = sigmoid(s)``, ``m`` the mask and ``c = 1/scaling
     dQ = alpha dS K,   dK = alpha dS^T Q
 
 A key block seen by very many query blocks (a global prefix under SLA) would
-make one key-major program walk the whole sequence; its query range is split
-into ``n_split`` chunks whose partial dK, dV are added atomically into
-zero-initialised outputs. Key blocks with at most ``chunk`` query blocks are
-written by one program with plain stores.
+make one key-major program walk the whole sequence; its query range is cut into
+pieces of ``chunk`` query blocks whose partial dK, dV are added atomically into
+zero-initialised outputs. The key block's own program takes the first piece;
+the others are items of a list built on the device (``block_plan.SplitList``),
+taken by ``n_workers`` programs per head that the grid schedules first, so the
+long walks start early and no program waits on an empty slot. Key blocks with at
+most ``chunk`` query blocks are written by one program with plain stores.
 """
 
 from __future__ import annotations
@@ -76,7 +79,8 @@ def hstu_backward_dq_kernel(
 @triton.jit
 def hstu_backward_dkdv_kernel(
     Q, K, V, DO, DK, DV, func, rule, OFFS, KTAB, BOUNDS, QLO, QHI,
-    plan_head, n_qblocks, n_kblocks, n_split, chunk,
+    ITEM_KB, ITEM_LO, ITEM_HI, NITEMS, item_cap, n_workers, n_heads,
+    plan_head, n_qblocks, n_kblocks, chunk,
     alpha, dk_scale, dv_scale,  # alpha / scaling, 1 / scaling (alpha, 1 with ATTN_SCALE)
     ATTN_SCALE, HAS_ATTN_SCALE: tl.constexpr,
     NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_TARGETS: tl.constexpr, INTERVALS_POW2: tl.constexpr,
@@ -85,15 +89,47 @@ def hstu_backward_dkdv_kernel(
     TILE_QK: tl.constexpr, TILE_V: tl.constexpr,
     BIAS=None, HAS_BIAS: tl.constexpr = False, BIAS_GRAD: tl.constexpr = False,
 ):
-    """One program per (key block, split, head); ``BOUNDS``, ``QLO``, ``QHI``: ``_plan_kernel``'s
-    output (unused under MODE_CAUSAL); ``plan_head`` is 1 when the plan has one row per head;
+    """1-D grid ``(n_workers + n_kblocks) * n_heads``: first ``n_workers`` programs per head (heads
+    interleaved), each taking every ``n_workers``-th item of the head's split list (``ITEM_KB``, ``ITEM_LO``,
+    ``ITEM_HI``: ``(Hplan, item_cap)``, ``NITEMS``: their count), then one program per (head, key block),
+    which walks the first ``chunk`` query blocks of its range, or all of it when no longer; ``BOUNDS``,
+    ``QLO``, ``QHI``: ``_plan_kernel``'s output (unused under MODE_CAUSAL); ``plan_head`` is 1 when the plan
+    has one row per head;
     ``ATTN_SCALE``: float32 ``(total,)``, each query row's factor of A and dS (read when HAS_ATTN_SCALE).
     ``BIAS``: ``bias.Bias``, added to the scores when HAS_BIAS; with BIAS_GRAD each tile's ``dS`` is also
     reduced into the tables' gradient buffers (``bias.bias_grad``)."""
     pid = tl.program_id(0)
-    kflat = pid // n_split
-    split = pid % n_split
-    h = tl.program_id(1)
+    worker = pid < n_workers * n_heads
+    if worker:  # every n_workers-th item of its head's list
+        h = pid % n_heads
+        hp = h * plan_head
+        for w in range(pid // n_heads, tl.load(NITEMS + hp), n_workers):
+            item = hp.to(tl.int64) * item_cap + w
+            _key_block(Q, K, V, DO, DK, DV, func, rule, OFFS, KTAB, BOUNDS, QLO, QHI, tl.load(ITEM_LO + item),
+                       tl.load(ITEM_HI + item), True, tl.load(ITEM_KB + item), h, plan_head, n_qblocks, n_kblocks,
+                       chunk, alpha, dk_scale, dv_scale, ATTN_SCALE, HAS_ATTN_SCALE, NFUNC, MODE, HAS_TARGETS,
+                       INTERVALS_POW2, FAST_SIGMOID, DOT_PRECISION, BLOCK_M, BLOCK_N, DIM_QK, DIM_V, TILE_QK, TILE_V,
+                       BIAS, HAS_BIAS, BIAS_GRAD)
+    else:  # a key block: the first piece of its range
+        r = pid - n_workers * n_heads
+        _key_block(Q, K, V, DO, DK, DV, func, rule, OFFS, KTAB, BOUNDS, QLO, QHI, 0, 0, False, r % n_kblocks,
+                   r // n_kblocks, plan_head, n_qblocks, n_kblocks, chunk, alpha, dk_scale, dv_scale, ATTN_SCALE,
+                   HAS_ATTN_SCALE, NFUNC, MODE, HAS_TARGETS, INTERVALS_POW2, FAST_SIGMOID, DOT_PRECISION, BLOCK_M,
+                   BLOCK_N, DIM_QK, DIM_V, TILE_QK, TILE_V, BIAS, HAS_BIAS, BIAS_GRAD)
+
+
+@triton.jit
+def _key_block(Q, K, V, DO, DK, DV, func, rule, OFFS, KTAB, BOUNDS, QLO, QHI, item_lo, item_hi, WORKER: tl.constexpr,
+               kflat, h,
+               plan_head, n_qblocks, n_kblocks, chunk, alpha, dk_scale, dv_scale, ATTN_SCALE,
+               HAS_ATTN_SCALE: tl.constexpr, NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_TARGETS: tl.constexpr,
+               INTERVALS_POW2: tl.constexpr, FAST_SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr, DIM_V: tl.constexpr,
+               TILE_QK: tl.constexpr, TILE_V: tl.constexpr, BIAS, HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr):
+    """dK, dV of key block ``kflat`` over one piece of its query range: a worker's item ``[item_lo, item_hi)``
+    (WORKER), or the key block's own program's first piece (the whole range when it holds at most ``chunk`` query
+    blocks, written with plain stores; else added atomically, as every worker's piece). Two copies in the kernel:
+    the key blocks' carries no loop state of the workers (at 255 registers, each live value spills)."""
     seq, kb, seq_start, L = locate_block(KTAB, OFFS, kflat, BLOCK_N)
     if kb * BLOCK_N < L:
         targets = sequence_targets(rule, seq, HAS_TARGETS)
@@ -109,86 +145,87 @@ def hstu_backward_dkdv_kernel(
         else:
             q_lo = tl.load(QLO + h * plan_head * n_kblocks + kflat)
             q_hi = tl.load(QHI + h * plan_head * n_kblocks + kflat)
-        is_split = q_hi - q_lo > chunk
-        lo = q_lo
-        hi = q_hi
-        if is_split:
-            lo = q_lo + split * chunk
-            hi = tl.where(split == n_split - 1, q_hi, tl.minimum(q_hi, lo + chunk))
-        if is_split or split == 0:
-            jr = tl.arange(0, INTERVALS_POW2)
-            k = load_rows(K, cols_g, col_ok, h, DIM_QK, TILE_QK)
-            v = load_rows(V, cols_g, col_ok, h, DIM_V, TILE_V)
-            q_flat = first_block(OFFS, seq, BLOCK_M)
-            acc_k = tl.zeros((BLOCK_N, TILE_QK), dtype=tl.float32)
-            acc_v = tl.zeros((BLOCK_N, TILE_V), dtype=tl.float32)
-            if HAS_BIAS:
-                bi, bmin, bmax, base_b = bias_cols(BIAS, seq_start, L, cols, n0)
-            # With a bias, two copies of the loop: the one holding the int64 path for wide chunks runs only where
-            # the sequence has one (bias.add_bias); seq_wide is 0 or 1.
-            wide = tl.load(BIAS.seq_wide + seq) if HAS_BIAS else 0
-            for copy in tl.static_range(2 if HAS_BIAS else 1):
-                if wide == copy:
-                    for qb in range(lo, hi):
-                        m0 = qb * BLOCK_M
-                        rows = m0 + tl.arange(0, BLOCK_M)
-                        row_ok = rows < L
-                        rows_g = seq_start + rows
-                        q = load_rows(Q, rows_g, row_ok, h, DIM_QK, TILE_QK)
-                        do = load_rows(DO, rows_g, row_ok, h, DIM_V, TILE_V)
+        if WORKER:
+            is_split = True
+            lo = item_lo
+            hi = item_hi
+        else:
+            is_split = q_hi - q_lo > chunk
+            lo = q_lo
+            hi = tl.where(is_split, tl.minimum(q_hi, q_lo + chunk), q_hi)
+        jr = tl.arange(0, INTERVALS_POW2)
+        k = load_rows(K, cols_g, col_ok, h, DIM_QK, TILE_QK)
+        v = load_rows(V, cols_g, col_ok, h, DIM_V, TILE_V)
+        q_flat = first_block(OFFS, seq, BLOCK_M)
+        acc_k = tl.zeros((BLOCK_N, TILE_QK), dtype=tl.float32)
+        acc_v = tl.zeros((BLOCK_N, TILE_V), dtype=tl.float32)
+        if HAS_BIAS:
+            bi, bmin, bmax, base_b = bias_cols(BIAS, seq_start, L, cols, n0)
+        # With a bias, two copies of the loop: the one holding the int64 path for wide chunks runs only where
+        # the sequence has one (bias.add_bias); seq_wide is 0 or 1.
+        wide = tl.load(BIAS.seq_wide + seq) if HAS_BIAS else 0
+        for copy in tl.static_range(2 if HAS_BIAS else 1):
+            if wide == copy:
+                for qb in range(lo, hi):
+                    m0 = qb * BLOCK_M
+                    rows = m0 + tl.arange(0, BLOCK_M)
+                    row_ok = rows < L
+                    rows_g = seq_start + rows
+                    q = load_rows(Q, rows_g, row_ok, h, DIM_QK, TILE_QK)
+                    do = load_rows(DO, rows_g, row_ok, h, DIM_V, TILE_V)
+                    if MODE == MODE_CAUSAL:
+                        hlo, hhi, clo, chi = causal_bounds(m0, L, BLOCK_M, INTERVALS_POW2)
+                    else:
+                        b = BOUNDS + ((h * plan_head * n_qblocks) + q_flat + qb) * 4 * INTERVALS_POW2 + jr
+                        hlo = tl.load(b)
+                        hhi = tl.load(b + INTERVALS_POW2)
+                        clo = tl.load(b + 2 * INTERVALS_POW2)
+                        chi = tl.load(b + 3 * INTERVALS_POW2)
+                    s = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * alpha  # (BLOCK_N, BLOCK_M): S^T
+                    if HAS_BIAS:
+                        ai, amin, amax, base_a = bias_rows(BIAS, seq_start, L, rows, m0)
+                        d = base_a - base_b
+                        b_lo, b_hi = tile_buckets(BIAS, amin, amax, bmin, bmax, d)
+                        if m0 < L:  # always: keeps the pipeliner off the bias loads (bias.PIPELINE_GUARD)
+                            s = add_bias(s, BIAS, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, True,
+                                         copy == 1)
+                    s = finite_below(s)
+                    sig = sigmoid(s, FAST_SIGMOID)
+                    p = s * sig
+                    dsilu = sig * (1.0 + s * (1.0 - sig))
+                    if HAS_ATTN_SCALE:
+                        row_scale = tl.load(ATTN_SCALE + rows_g, mask=row_ok, other=0.0)[None, :]
+                        p = p * row_scale
+                        dsilu = dsilu * row_scale
+                    # Both operands of the coming dots are cast now, before dP is computed: fewer registers live
+                    # at once (s and sig die here), which keeps this kernel from spilling.
+                    p = p.to(do.dtype)
+                    dp = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+                    ds = (dp * dsilu).to(q.dtype)
+                    if not block_is_full(n0, n1, clo, chi):
+                        # Intervals are re-read here rather than held in registers: along this kernel's
+                        # transposed tile a row vector costs ~16 registers a thread (measured slower).
                         if MODE == MODE_CAUSAL:
-                            hlo, hhi, clo, chi = causal_bounds(m0, L, BLOCK_M, INTERVALS_POW2)
+                            vis = cols[:, None] <= rows[None, :]
                         else:
-                            b = BOUNDS + ((h * plan_head * n_qblocks) + q_flat + qb) * 4 * INTERVALS_POW2 + jr
-                            hlo = tl.load(b)
-                            hhi = tl.load(b + INTERVALS_POW2)
-                            clo = tl.load(b + 2 * INTERVALS_POW2)
-                            chi = tl.load(b + 3 * INTERVALS_POW2)
-                        s = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * alpha  # (BLOCK_N, BLOCK_M): S^T
-                        if HAS_BIAS:
-                            ai, amin, amax, base_a = bias_rows(BIAS, seq_start, L, rows, m0)
-                            d = base_a - base_b
-                            b_lo, b_hi = tile_buckets(BIAS, amin, amax, bmin, bmax, d)
-                            if m0 < L:  # always: keeps the pipeliner off the bias loads (bias.PIPELINE_GUARD)
-                                s = add_bias(s, BIAS, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, True,
-                                             copy == 1)
-                        s = finite_below(s)
-                        sig = sigmoid(s, FAST_SIGMOID)
-                        p = s * sig
-                        dsilu = sig * (1.0 + s * (1.0 - sig))
-                        if HAS_ATTN_SCALE:
-                            row_scale = tl.load(ATTN_SCALE + rows_g, mask=row_ok, other=0.0)[None, :]
-                            p = p * row_scale
-                            dsilu = dsilu * row_scale
-                        # Both operands of the coming dots are cast now, before dP is computed: fewer registers live
-                        # at once (s and sig die here), which keeps this kernel from spilling.
-                        p = p.to(do.dtype)
-                        dp = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-                        ds = (dp * dsilu).to(q.dtype)
-                        if not block_is_full(n0, n1, clo, chi):
-                            # Intervals are re-read here rather than held in registers: along this kernel's
-                            # transposed tile a row vector costs ~16 registers a thread (measured slower).
-                            if MODE == MODE_CAUSAL:
-                                vis = cols[:, None] <= rows[None, :]
-                            else:
-                                vis = interval_visibility(
-                                    func=func_h, targets=targets, rule=rule, rows=rows, rows_g=rows_g, row_ok=row_ok,
-                                    L=L, cols=cols, n0=n0, hlo=hlo, hhi=hhi, NFUNC=NFUNC, MODE=MODE,
-                                    HAS_TARGETS=HAS_TARGETS, INTERVALS_POW2=INTERVALS_POW2, BLOCK_N=BLOCK_N, TRANS=True)
-                            p = tl.where(vis, p, 0.0)
-                            ds = tl.where(vis, ds, 0.0)
-                        if BIAS_GRAD:
-                            bias_grad(BIAS, h, seq_start, L, ds, rows, cols, ai, bi, d, b_lo, b_hi, dv_scale,
-                                      DOT_PRECISION, True, copy == 1)
-                        acc_v += tl.dot(p, do, input_precision=DOT_PRECISION)
-                        acc_k += tl.dot(ds, q, input_precision=DOT_PRECISION)
-            dk_ptrs = tile_ptrs(DK, cols_g, h, TILE_QK)
-            dv_ptrs = tile_ptrs(DV, cols_g, h, TILE_V)
-            dk_mask = tile_mask(col_ok, DIM_QK, TILE_QK)
-            dv_mask = tile_mask(col_ok, DIM_V, TILE_V)
-            if is_split:
-                tl.atomic_add(dk_ptrs, (acc_k * dk_scale).to(DK.ptr.dtype.element_ty), mask=dk_mask, sem="relaxed")
-                tl.atomic_add(dv_ptrs, (acc_v * dv_scale).to(DV.ptr.dtype.element_ty), mask=dv_mask, sem="relaxed")
-            else:
-                tl.store(dk_ptrs, (acc_k * dk_scale).to(DK.ptr.dtype.element_ty), mask=dk_mask)
-                tl.store(dv_ptrs, (acc_v * dv_scale).to(DV.ptr.dtype.element_ty), mask=dv_mask)
+                            vis = interval_visibility(
+                                func=func_h, targets=targets, rule=rule, rows=rows, rows_g=rows_g, row_ok=row_ok,
+                                L=L, cols=cols, n0=n0, hlo=hlo, hhi=hhi, NFUNC=NFUNC, MODE=MODE,
+                                HAS_TARGETS=HAS_TARGETS, INTERVALS_POW2=INTERVALS_POW2, BLOCK_N=BLOCK_N, TRANS=True)
+                        p = tl.where(vis, p, 0.0)
+                        ds = tl.where(vis, ds, 0.0)
+                    if BIAS_GRAD:
+                        bias_grad(BIAS, h, seq_start, L, ds, rows, cols, ai, bi, d, b_lo, b_hi, dv_scale,
+                                  DOT_PRECISION, True, copy == 1)
+                    acc_v += tl.dot(p, do, input_precision=DOT_PRECISION)
+                    acc_k += tl.dot(ds, q, input_precision=DOT_PRECISION)
+        dk_ptrs = tile_ptrs(DK, cols_g, h, TILE_QK)
+        dv_ptrs = tile_ptrs(DV, cols_g, h, TILE_V)
+        dk_mask = tile_mask(col_ok, DIM_QK, TILE_QK)
+        dv_mask = tile_mask(col_ok, DIM_V, TILE_V)
+        if is_split:
+            tl.atomic_add(dk_ptrs, (acc_k * dk_scale).to(DK.ptr.dtype.element_ty), mask=dk_mask, sem="relaxed")
+            tl.atomic_add(dv_ptrs, (acc_v * dv_scale).to(DV.ptr.dtype.element_ty), mask=dv_mask, sem="relaxed")
+        else:
+            tl.store(dk_ptrs, (acc_k * dk_scale).to(DK.ptr.dtype.element_ty), mask=dk_mask)
+            tl.store(dv_ptrs, (acc_v * dv_scale).to(DV.ptr.dtype.element_ty), mask=dv_mask)

@@ -15,7 +15,7 @@ import triton
 from .args import Func, RuleArgs
 from .block_tables import BlockTables, safe_offsets
 from .config import Tile
-from .hulls import _plan_kernel
+from .hulls import _plan_kernel, _split_list_kernel
 from .row_intervals import BIG, MODE_CAUSAL, MODE_FUNC
 
 
@@ -58,6 +58,21 @@ class Visibility:
                     INTERVALS_POW2=self.intervals_pow2())
 
 
+@dataclass(frozen=True, eq=False)
+class SplitList:
+    """The dK/dV kernel's extra work items for one ``chunk`` (``plan._split_list_kernel``): per plan row, the
+    pieces ``1 ..`` of every key block whose query range is longer than ``chunk`` query blocks, as int32
+    ``(Hplan, cap)`` key blocks ``kb`` and query-block ranges ``[lo, hi)``, and their count ``n (Hplan,)``.
+    Built on the device, read only by the kernel: no host sync."""
+
+    chunk: int
+    kb: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
+    n: torch.Tensor
+    cap: int
+
+
 class KeyMajorPlan:
     """What the dK/dV kernel reads: per query block its hull/core vectors ``bounds (Hplan, n_qblocks, 4,
     INTERVALS_POW2)``, per key block the first (``qlo``) and past-the-last (``qhi``) query block that sees
@@ -68,6 +83,8 @@ class KeyMajorPlan:
         ptab, npb = tables.table(tile.block_m)
         ktab, nkb = tables.table(tile.block_n)
         self.ktab, self.n_qblocks, self.n_kblocks = ktab, npb, nkb
+        self._offs, self._tile, self._nplan, self._causal = offs, tile, nplan, vis.mode == MODE_CAUSAL
+        self._splits: dict[tuple[int, int], SplitList] = {}
         if vis.mode == MODE_CAUSAL:
             self.bounds = self.qlo = self.qhi = ktab
             return
@@ -79,6 +96,22 @@ class KeyMajorPlan:
             **vis.kernel_args(offs), OFFS=offs, QTAB=ptab, BOUNDS=self.bounds, QLO=self.qlo, QHI=self.qhi,
             n_qblocks=npb, n_kblocks=nkb, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, num_warps=4,
         )
+
+    def split_list(self, chunk: int, max_split: int) -> SplitList:
+        """The extra work items of key blocks seen by more than ``chunk`` query blocks, each cut into at most
+        ``max_split`` (a power of two) pieces (built on first use for each pair, one launch)."""
+        key = (chunk, max_split)
+        if key not in self._splits:
+            dev = self._offs.device
+            cap = max(1, self.n_kblocks * (max_split - 1))
+            kb, lo, hi = (torch.empty(self._nplan, cap, dtype=torch.int32, device=dev) for _ in range(3))
+            n = torch.empty(self._nplan, dtype=torch.int32, device=dev)
+            _split_list_kernel[(self._nplan,)](
+                self._offs, self.ktab, self.qlo, self.qhi, kb, lo, hi, n, self.n_kblocks, chunk, cap,
+                CAUSAL=self._causal, MAX_SPLIT=max_split, BLOCK_M=self._tile.block_m, BLOCK_N=self._tile.block_n,
+                CHUNK=64, num_warps=4)
+            self._splits[key] = SplitList(chunk, kb, lo, hi, n, cap)
+        return self._splits[key]
 
 
 class BlockPlan:

@@ -20,6 +20,20 @@ from .row_intervals import BIG, MODE_CAUSAL, MODE_FIXED, MODE_FUNC
 
 _NEVER_SPLIT = int(BIG)
 """A chunk longer than any key block's query range (in query blocks)."""
+MAX_SPLIT = 16
+"""Pieces a long key-major range is cut into at most (a power of two). Each piece's partial dK, dV is added
+atomically in the outputs' dtype, so more pieces mean more roundings of bf16 sums; 16 pieces of 256 query
+blocks of 32 rows cover a 131,072-row SLA prefix column with no piece longer than the average walk."""
+_SMS: dict[torch.device, int] = {}
+
+
+def _workers(device: torch.device) -> int:
+    """Split-list workers per head: two per multiprocessor, enough to start every piece at once on the usual
+    batches (an idle worker reads one count and exits)."""
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" \
+            else 4
+    return 2 * _SMS[device]
 
 
 def _interpreting() -> bool:
@@ -121,31 +135,35 @@ def backward(dout, q, k, v, offs, vis: Visibility, alpha: float, out_scale: floa
     )
     # Key-major pass: its query blocks (BLOCK_M) and key blocks (BLOCK_N) index the plan.
     km = plan.key_major(tkv)
-    # Split a key block's query range when it is long: at most 8 chunks of at least `chunk` query blocks.
-    # max_seq_len only sizes the split: the last chunk runs to the end of the range whatever its length,
-    # and with one program per key block (n_split 1) no range is split, since only n_split > 1 zeroes
-    # the outputs that the split path adds into.
+    # A key block's query range longer than `chunk` query blocks is cut into at most MAX_SPLIT pieces; its own
+    # program takes the first, workers scheduled before every key block take the rest from a list built on the
+    # device (block_plan.SplitList). max_seq_len only sizes the pieces: the last runs to the end of the range
+    # whatever its length, and when no range can be longer than one piece nothing is split (only then are the
+    # outputs, which the pieces add into, left unzeroed).
     hint = max(max_seq_len, 1)
     if interpreting:  # the offsets are on the host: a hint above the longest sequence is cut to it (it made most
         # programs empty, each a Python call in the interpreter); a smaller one is kept, as on the GPU
         hint = min(hint, max(int((offs[1:] - offs[:-1]).max()) if offs.numel() > 1 else 1, 1))
     q_blocks_max = max(1, -(-hint // tkv.block_m))
-    chunk = 2 if interpreting else max(32, -(-q_blocks_max // 8))
-    n_split = max(1, -(-q_blocks_max // chunk))
-    if n_split == 1:
-        chunk = _NEVER_SPLIT
-    if n_split > 1:
+    max_split = 4 if interpreting else MAX_SPLIT
+    chunk = 2 if interpreting else max(32, -(-q_blocks_max // max_split))
+    if q_blocks_max > chunk:
+        split = km.split_list(chunk, max_split)
+        n_workers = 3 if interpreting else _workers(q.device)
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     else:
+        split, n_workers, chunk = None, 0, _NEVER_SPLIT
         dk, dv = _new_like(k), _new_like(v)
+    lists = dict(ITEM_KB=split.kb, ITEM_LO=split.lo, ITEM_HI=split.hi, NITEMS=split.n, item_cap=split.cap) if split \
+        else dict(ITEM_KB=km.ktab, ITEM_LO=km.ktab, ITEM_HI=km.ktab, NITEMS=km.ktab, item_cap=0)
     bias_kv = _bias_args(bias)
     if bias is not None and bias.args.dpos.numel():
         bias_kv["BIAS_GRAD"] = True
-    hstu_backward_dkdv_kernel[(km.n_kblocks * n_split, nheads)](
-        **args, **tkv.launch(), **bias_kv,
+    hstu_backward_dkdv_kernel[((n_workers + km.n_kblocks) * nheads,)](
+        **args, **tkv.launch(), **bias_kv, **lists,
         DO=jagged(dout), DK=jagged(dk), DV=jagged(dv), KTAB=km.ktab, BOUNDS=km.bounds, QLO=km.qlo, QHI=km.qhi,
-        plan_head=1 if vis.per_head() else 0, n_qblocks=km.n_qblocks, n_kblocks=km.n_kblocks, n_split=n_split,
-        chunk=chunk, dk_scale=alpha * scale, dv_scale=scale,
+        n_workers=n_workers, n_heads=nheads, plan_head=1 if vis.per_head() else 0, n_qblocks=km.n_qblocks,
+        n_kblocks=km.n_kblocks, chunk=chunk, dk_scale=alpha * scale, dv_scale=scale,
     )
     return dq, dk, dv
 
