@@ -14,8 +14,7 @@ from .block_tables import block_table, safe_offsets
 from .config import tiles
 from .delta_kernel import delta_forward_kernel
 from .limits import tile_dim
-from .op import Visibility, _attention_args, _interpreting, _last_dim_contiguous
-from .row_intervals import MODE_CAUSAL, MODE_FIXED, MODE_FUNC
+from .op import _MODE_CAUSAL, _MODE_FIXED, _MODE_FUNC, Visibility, _attention_args, _interpreting, _last_dim_contiguous
 
 MAX_SPLITS = 16
 _FORCED_SPLITS: ContextVar[int | None] = ContextVar("flexhstu_delta_splits", default=None)
@@ -97,9 +96,9 @@ def triton_delta_hstu_mha(delta_q, k, v, seq_offsets, q_offsets, q_start, *, fun
                           causal_closed_form=False, contextual: int = 0, window: int = 0, min_full: int = 0,
                           alpha: float, out_scale: float, kv_lengths: torch.Tensor | None = None) -> torch.Tensor:
     """The custom op: ``func`` given decides visibility; else causal or the fixed rule in closed form."""
-    mode = MODE_FUNC if func is not None else (MODE_CAUSAL if causal_closed_form else MODE_FIXED)
+    mode = _MODE_FUNC if func is not None else (_MODE_CAUSAL if causal_closed_form else _MODE_FIXED)
     as64 = lambda x: x if x.dtype == torch.int64 and x.is_contiguous() else x.to(torch.int64).contiguous()
     nt = None if num_targets is None else as64(num_targets)
     kvl = None if kv_lengths is None else as64(kv_lengths)
-    return delta_hstu_mha_fwd(delta_q, k, v, as64(seq_offsets), as64(q_offsets), as64(q_start), func, nt, int(mode),
+    return delta_hstu_mha_fwd(delta_q, k, v, as64(seq_offsets), as64(q_offsets), as64(q_start), func, nt, mode,
                               contextual, window, min_full, alpha, out_scale, kvl)

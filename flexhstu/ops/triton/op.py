@@ -278,6 +278,11 @@ class _HstuAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None, None, None, dpos, dts, None
 
 
+# The modes as plain ints, converted once at import: a tl.constexpr does not compare under torch.compile's
+# tracing, and torch 2.11 cannot trace int() of one either.
+_MODE_FUNC, _MODE_CAUSAL, _MODE_FIXED = int(MODE_FUNC), int(MODE_CAUSAL), int(MODE_FIXED)
+
+
 def visibility(func=None, num_targets=None, causal_closed_form=False, contextual=0, window=0,
                min_full=0, sparse: bool | None = None, max_seq_len: int = 0) -> Visibility:
     """The kernels' mask description from triton_hstu_mha's mask arguments (num_targets made contiguous).
@@ -289,14 +294,13 @@ def visibility(func=None, num_targets=None, causal_closed_form=False, contextual
     if num_targets is not None:
         num_targets = num_targets.contiguous()
     if func is not None:
-        mode = MODE_FUNC
+        mode = _MODE_FUNC
     elif causal_closed_form:
-        mode = MODE_CAUSAL
+        mode = _MODE_CAUSAL
     else:
-        mode = MODE_FIXED
-    mode = int(mode)  # a plain int: tl.constexpr objects do not compare under torch.compile's tracing
+        mode = _MODE_FIXED
     if sparse is None:
-        sparse = mode == int(MODE_FIXED) and window > 0 and (max_seq_len <= 0 or 4 * window <= max_seq_len)
+        sparse = mode == _MODE_FIXED and window > 0 and (max_seq_len <= 0 or 4 * window <= max_seq_len)
     return Visibility(mode, func, num_targets, contextual, window, min_full, bool(sparse))
 
 
