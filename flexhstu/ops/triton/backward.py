@@ -34,7 +34,7 @@ from .silu import finite_below, sigmoid
 @triton.jit
 def dq_block(q, do, K, V, h, seq_start, L, n0, rows, alpha, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr,
              DIM_V: tl.constexpr, TILE_QK: tl.constexpr, TILE_V: tl.constexpr, CAUSAL_MASK: tl.constexpr,
-             FAST_SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr, BIAS=None, BROWS=None,
+             FAST_SIGMOID: tl.constexpr, FLOOR_SCORES: tl.constexpr, DOT_PRECISION: tl.constexpr, BIAS=None, BROWS=None,
              HAS_BIAS: tl.constexpr = False, WIDE_TIMES: tl.constexpr = False):
     """Key block ``n0``: ``(dS / c, k)`` with ``dS / c = (do v^T) silu'(s)``, zeroed above the diagonal
     when CAUSAL_MASK; ``s`` includes the relative bias when HAS_BIAS (as ``attend``)."""
@@ -45,7 +45,8 @@ def dq_block(q, do, K, V, h, seq_start, L, n0, rows, alpha, BLOCK_N: tl.constexp
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * alpha
     if HAS_BIAS:
         s = query_major_bias(s, BIAS, BROWS, h, seq_start, L, rows, cols, n0, WIDE_TIMES)
-    s = finite_below(s)
+    if FLOOR_SCORES:
+        s = finite_below(s)
     sig = sigmoid(s, FAST_SIGMOID)
     ds = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION) * sig * (1.0 + s * (1.0 - sig))
     if CAUSAL_MASK:
@@ -59,7 +60,7 @@ def hstu_backward_dq_kernel(
     alpha, dq_scale,  # dq_scale = alpha / scaling, or alpha with ATTN_SCALE
     ATTN_SCALE, HAS_ATTN_SCALE: tl.constexpr,
     NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_TARGETS: tl.constexpr, INTERVALS_POW2: tl.constexpr,
-    FAST_SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FAST_SIGMOID: tl.constexpr, FLOOR_SCORES: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr, DIM_V: tl.constexpr,
     TILE_QK: tl.constexpr, TILE_V: tl.constexpr,
     BIAS=None, HAS_BIAS: tl.constexpr = False,
@@ -72,6 +73,7 @@ def hstu_backward_dq_kernel(
         Q=Q, DO=DO, K=K, V=V, OUT=DQ, func=func, rule=rule, OFFS=OFFS, QTAB=QTAB, n_flat=n_flat, alpha=alpha,
         out_scale=dq_scale, ROW_SCALE=ATTN_SCALE, HAS_ROW_SCALE=HAS_ATTN_SCALE, BLOCK_FN=dq_block, WITH_DO=True,
         NFUNC=NFUNC, MODE=MODE, HAS_TARGETS=HAS_TARGETS, INTERVALS_POW2=INTERVALS_POW2, FAST_SIGMOID=FAST_SIGMOID,
+        FLOOR_SCORES=FLOOR_SCORES,
         DOT_PRECISION=DOT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK,
         TILE_V=TILE_V, BIAS=BIAS, HAS_BIAS=HAS_BIAS)
 
@@ -84,7 +86,7 @@ def hstu_backward_dkdv_kernel(
     alpha, dk_scale, dv_scale,  # alpha / scaling, 1 / scaling (alpha, 1 with ATTN_SCALE)
     ATTN_SCALE, HAS_ATTN_SCALE: tl.constexpr,
     NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_TARGETS: tl.constexpr, INTERVALS_POW2: tl.constexpr,
-    FAST_SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FAST_SIGMOID: tl.constexpr, FLOOR_SCORES: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr, DIM_V: tl.constexpr,
     TILE_QK: tl.constexpr, TILE_V: tl.constexpr,
     BIAS=None, HAS_BIAS: tl.constexpr = False, BIAS_GRAD: tl.constexpr = False,
@@ -108,13 +110,15 @@ def hstu_backward_dkdv_kernel(
             _key_block(Q, K, V, DO, DK, DV, func, rule, OFFS, KTAB, BOUNDS, QLO, QHI, tl.load(ITEM_LO + item),
                        tl.load(ITEM_HI + item), True, tl.load(ITEM_KB + item), h, plan_head, n_qblocks, n_kblocks,
                        chunk, alpha, dk_scale, dv_scale, ATTN_SCALE, HAS_ATTN_SCALE, NFUNC, MODE, HAS_TARGETS,
-                       INTERVALS_POW2, FAST_SIGMOID, DOT_PRECISION, BLOCK_M, BLOCK_N, DIM_QK, DIM_V, TILE_QK, TILE_V,
+                       INTERVALS_POW2, FAST_SIGMOID, FLOOR_SCORES, DOT_PRECISION, BLOCK_M, BLOCK_N, DIM_QK, DIM_V,
+                       TILE_QK, TILE_V,
                        BIAS, HAS_BIAS, BIAS_GRAD)
     else:  # a key block: the first piece of its range
         r = pid - n_workers * n_heads
         _key_block(Q, K, V, DO, DK, DV, func, rule, OFFS, KTAB, BOUNDS, QLO, QHI, 0, 0, False, r % n_kblocks,
                    r // n_kblocks, plan_head, n_qblocks, n_kblocks, chunk, alpha, dk_scale, dv_scale, ATTN_SCALE,
-                   HAS_ATTN_SCALE, NFUNC, MODE, HAS_TARGETS, INTERVALS_POW2, FAST_SIGMOID, DOT_PRECISION, BLOCK_M,
+                   HAS_ATTN_SCALE, NFUNC, MODE, HAS_TARGETS, INTERVALS_POW2, FAST_SIGMOID, FLOOR_SCORES,
+                   DOT_PRECISION, BLOCK_M,
                    BLOCK_N, DIM_QK, DIM_V, TILE_QK, TILE_V, BIAS, HAS_BIAS, BIAS_GRAD)
 
 
@@ -123,7 +127,8 @@ def _key_block(Q, K, V, DO, DK, DV, func, rule, OFFS, KTAB, BOUNDS, QLO, QHI, it
                kflat, h,
                plan_head, n_qblocks, n_kblocks, chunk, alpha, dk_scale, dv_scale, ATTN_SCALE,
                HAS_ATTN_SCALE: tl.constexpr, NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_TARGETS: tl.constexpr,
-               INTERVALS_POW2: tl.constexpr, FAST_SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               INTERVALS_POW2: tl.constexpr, FAST_SIGMOID: tl.constexpr, FLOOR_SCORES: tl.constexpr,
+               DOT_PRECISION: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr, DIM_V: tl.constexpr,
                TILE_QK: tl.constexpr, TILE_V: tl.constexpr, BIAS, HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr):
     """dK, dV of key block ``kflat`` over one piece of its query range: a worker's item ``[item_lo, item_hi)``
@@ -189,7 +194,8 @@ def _key_block(Q, K, V, DO, DK, DV, func, rule, OFFS, KTAB, BOUNDS, QLO, QHI, it
                         if m0 < L:  # always: keeps the pipeliner off the bias loads (bias.PIPELINE_GUARD)
                             s = add_bias(s, BIAS, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, True,
                                          copy == 1)
-                    s = finite_below(s)
+                    if FLOOR_SCORES:
+                        s = finite_below(s)
                     sig = sigmoid(s, FAST_SIGMOID)
                     p = s * sig
                     dsilu = sig * (1.0 + s * (1.0 - sig))

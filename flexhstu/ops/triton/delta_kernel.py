@@ -22,7 +22,7 @@ def delta_forward_kernel(
     Q, K, V, OUT, func, rule, OFFS, KVLEN, QOFFS, QSTART, QTAB, n_flat, total_q,
     alpha, out_scale,  # out_scale = 1 / scaling_seqlen
     NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_TARGETS: tl.constexpr, INTERVALS_POW2: tl.constexpr,
-    FAST_SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FAST_SIGMOID: tl.constexpr, FLOOR_SCORES: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr, DIM_V: tl.constexpr,
     TILE_QK: tl.constexpr, TILE_V: tl.constexpr, HAS_KVLEN: tl.constexpr, N_SPLITS: tl.constexpr,
 ):
@@ -52,7 +52,8 @@ def delta_forward_kernel(
             acc=tl.zeros((BLOCK_M, TILE_V), dtype=tl.float32), q=q, do=q, K=K, V=V, func=func, rule=rule, h=h,
             seq=seq, seq_start=seq_start, L=L, m0=m0, rows=rows, row_ok=row_ok, rows_g=qrows_g, alpha=alpha,
             BLOCK_FN=attend, NFUNC=NFUNC, MODE=MODE, HAS_TARGETS=HAS_TARGETS, INTERVALS_POW2=INTERVALS_POW2,
-            INTERVALS_IN_REGISTERS=INTERVALS_IN_REGISTERS, FAST_SIGMOID=FAST_SIGMOID, DOT_PRECISION=DOT_PRECISION,
+            INTERVALS_IN_REGISTERS=INTERVALS_IN_REGISTERS, FAST_SIGMOID=FAST_SIGMOID, FLOOR_SCORES=FLOOR_SCORES,
+            DOT_PRECISION=DOT_PRECISION,
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK, TILE_V=TILE_V,
             SPLIT=split, N_SPLITS=N_SPLITS)
         store_rows(OUT, split.to(tl.int64) * total_q + qrows_g, row_ok, h, acc * out_scale, DIM_V, TILE_V)

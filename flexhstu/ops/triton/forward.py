@@ -14,7 +14,7 @@ from .silu import finite_below, sigmoid
 @triton.jit
 def attend(q, do, K, V, h, seq_start, L, n0, rows, alpha, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr,
            DIM_V: tl.constexpr, TILE_QK: tl.constexpr, TILE_V: tl.constexpr, CAUSAL_MASK: tl.constexpr,
-           FAST_SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr, BIAS=None, BROWS=None,
+           FAST_SIGMOID: tl.constexpr, FLOOR_SCORES: tl.constexpr, DOT_PRECISION: tl.constexpr, BIAS=None, BROWS=None,
            HAS_BIAS: tl.constexpr = False, WIDE_TIMES: tl.constexpr = False):
     """Key block ``n0``: ``(silu(alpha q k^T [+ bias]), v)``, the silu zeroed above the diagonal when CAUSAL_MASK.
 
@@ -29,7 +29,8 @@ def attend(q, do, K, V, h, seq_start, L, n0, rows, alpha, BLOCK_N: tl.constexpr,
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * alpha
     if HAS_BIAS:
         s = query_major_bias(s, BIAS, BROWS, h, seq_start, L, rows, cols, n0, WIDE_TIMES)
-    s = finite_below(s)
+    if FLOOR_SCORES:
+        s = finite_below(s)
     p = s * sigmoid(s, FAST_SIGMOID)
     if CAUSAL_MASK:
         p = tl.where(cols[None, :] <= rows[:, None], p, 0.0)
@@ -42,7 +43,7 @@ def hstu_forward_kernel(
     alpha, out_scale,  # out_scale = 1 / scaling_seqlen, or 1 with ATTN_SCALE
     ATTN_SCALE, HAS_ATTN_SCALE: tl.constexpr,
     NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_TARGETS: tl.constexpr, INTERVALS_POW2: tl.constexpr,
-    FAST_SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FAST_SIGMOID: tl.constexpr, FLOOR_SCORES: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr, DIM_V: tl.constexpr,
     TILE_QK: tl.constexpr, TILE_V: tl.constexpr,
     BIAS=None, HAS_BIAS: tl.constexpr = False,
@@ -55,5 +56,6 @@ def hstu_forward_kernel(
         Q=Q, DO=Q, K=K, V=V, OUT=OUT, func=func, rule=rule, OFFS=OFFS, QTAB=QTAB, n_flat=n_flat, alpha=alpha,
         out_scale=out_scale, ROW_SCALE=ATTN_SCALE, HAS_ROW_SCALE=HAS_ATTN_SCALE, BLOCK_FN=attend, WITH_DO=False,
         NFUNC=NFUNC, MODE=MODE, HAS_TARGETS=HAS_TARGETS, INTERVALS_POW2=INTERVALS_POW2, FAST_SIGMOID=FAST_SIGMOID,
+        FLOOR_SCORES=FLOOR_SCORES,
         DOT_PRECISION=DOT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK,
         TILE_V=TILE_V, BIAS=BIAS, HAS_BIAS=HAS_BIAS)

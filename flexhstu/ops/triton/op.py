@@ -59,11 +59,13 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 def _attention_args(q, k, v, offs, vis: Visibility, alpha: float, interpreting: bool) -> dict:
     """Arguments of the three attention kernels: Q, K, V, the mask, the head dims, the sigmoid switch
-    (tanh.approx on the GPU; the interpreter has no inline PTX), the dot precision."""
+    (tanh.approx on the GPU; the interpreter has no inline PTX), the dot precision, and FLOOR_SCORES: with
+    ``|alpha| > 1`` a finite ``q.k`` can overflow to -inf in ``alpha q.k``, so the scores are floored
+    (``silu.finite_below``); with ``|alpha| <= 1`` it cannot, and the kernels skip that step."""
     dqk, dv = q.shape[2], v.shape[2]
     return dict(Q=jagged(q), K=jagged(k), V=jagged(v), OFFS=offs, alpha=alpha, DIM_QK=dqk, DIM_V=dv,
                 TILE_QK=tile_dim(dqk), TILE_V=tile_dim(dv), FAST_SIGMOID=not interpreting,
-                DOT_PRECISION=dot_precision(q.dtype), **vis.kernel_args(offs))
+                FLOOR_SCORES=abs(alpha) > 1.0, DOT_PRECISION=dot_precision(q.dtype), **vis.kernel_args(offs))
 
 
 def _scale_args(attn_scale: torch.Tensor | None, offs: torch.Tensor) -> dict:

@@ -34,6 +34,7 @@ from .row_intervals import MODE_CAUSAL, head_func, sequence_targets
 def query_major_walk(acc, q, do, K, V, func, rule, h, seq, seq_start, L, m0, rows, row_ok, rows_g, alpha,
                      BLOCK_FN: tl.constexpr, NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_TARGETS: tl.constexpr,
                      INTERVALS_POW2: tl.constexpr, INTERVALS_IN_REGISTERS: tl.constexpr, FAST_SIGMOID: tl.constexpr,
+                     FLOOR_SCORES: tl.constexpr,
                      DOT_PRECISION: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr, DIM_V: tl.constexpr,
                      TILE_QK: tl.constexpr, TILE_V: tl.constexpr, BIAS=None, BROWS=None,
@@ -56,13 +57,15 @@ def query_major_walk(acc, q, do, K, V, func, rule, h, seq, seq_start, L, m0, row
         for kb in range(SPLIT, n_full, N_SPLITS):
             x, y = BLOCK_FN(q=q, do=do, K=K, V=V, h=h, seq_start=seq_start, L=L, n0=kb * BLOCK_N, rows=rows,
                             alpha=alpha, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK, TILE_V=TILE_V,
-                            CAUSAL_MASK=False, FAST_SIGMOID=FAST_SIGMOID, DOT_PRECISION=DOT_PRECISION,
+                            CAUSAL_MASK=False, FAST_SIGMOID=FAST_SIGMOID, FLOOR_SCORES=FLOOR_SCORES,
+                            DOT_PRECISION=DOT_PRECISION,
                             BIAS=BIAS, BROWS=BROWS, HAS_BIAS=HAS_BIAS, WIDE_TIMES=WIDE_TIMES)
             acc += tl.dot(x.to(y.dtype), y, input_precision=DOT_PRECISION)
         for kb in range(diag_first, n_end, N_SPLITS):
             x, y = BLOCK_FN(q=q, do=do, K=K, V=V, h=h, seq_start=seq_start, L=L, n0=kb * BLOCK_N, rows=rows,
                             alpha=alpha, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK, TILE_V=TILE_V,
-                            CAUSAL_MASK=True, FAST_SIGMOID=FAST_SIGMOID, DOT_PRECISION=DOT_PRECISION,
+                            CAUSAL_MASK=True, FAST_SIGMOID=FAST_SIGMOID, FLOOR_SCORES=FLOOR_SCORES,
+                            DOT_PRECISION=DOT_PRECISION,
                             BIAS=BIAS, BROWS=BROWS, HAS_BIAS=HAS_BIAS, WIDE_TIMES=WIDE_TIMES)
             acc += tl.dot(x.to(y.dtype), y, input_precision=DOT_PRECISION)
     else:
@@ -82,7 +85,8 @@ def query_major_walk(acc, q, do, K, V, func, rule, h, seq, seq_start, L, m0, row
             n0 = kv_block_at(it, kstart, klen, kcum) * BLOCK_N
             x, y = BLOCK_FN(q=q, do=do, K=K, V=V, h=h, seq_start=seq_start, L=L, n0=n0, rows=rows,
                             alpha=alpha, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK, TILE_V=TILE_V,
-                            CAUSAL_MASK=False, FAST_SIGMOID=FAST_SIGMOID, DOT_PRECISION=DOT_PRECISION,
+                            CAUSAL_MASK=False, FAST_SIGMOID=FAST_SIGMOID, FLOOR_SCORES=FLOOR_SCORES,
+                            DOT_PRECISION=DOT_PRECISION,
                             BIAS=BIAS, BROWS=BROWS, HAS_BIAS=HAS_BIAS, WIDE_TIMES=WIDE_TIMES)
             if not block_is_full(n0, tl.minimum(n0 + BLOCK_N, L), clo, chi):
                 cols = n0 + tl.arange(0, BLOCK_N)
@@ -104,7 +108,8 @@ def query_major_program(Q, DO, K, V, OUT, func, rule, OFFS, QTAB, n_flat, alpha,
                         BLOCK_FN: tl.constexpr, WITH_DO: tl.constexpr,
                         NFUNC: tl.constexpr, MODE: tl.constexpr, HAS_TARGETS: tl.constexpr,
                         INTERVALS_POW2: tl.constexpr,
-                        FAST_SIGMOID: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                        FAST_SIGMOID: tl.constexpr, FLOOR_SCORES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                        BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr,
                         DIM_QK: tl.constexpr, DIM_V: tl.constexpr, TILE_QK: tl.constexpr, TILE_V: tl.constexpr,
                         ROW_SCALE=None, HAS_ROW_SCALE: tl.constexpr = False, BIAS=None,
@@ -138,7 +143,7 @@ def query_major_program(Q, DO, K, V, OUT, func, rule, OFFS, QTAB, n_flat, alpha,
                     acc=acc, q=q, do=do, K=K, V=V, func=func, rule=rule, h=h, seq=seq, seq_start=seq_start, L=L,
                     m0=m0, rows=rows, row_ok=row_ok, rows_g=rows_g, alpha=alpha, BLOCK_FN=BLOCK_FN, NFUNC=NFUNC,
                     MODE=MODE, HAS_TARGETS=HAS_TARGETS, INTERVALS_POW2=INTERVALS_POW2,
-                    INTERVALS_IN_REGISTERS=INTERVALS_IN_REGISTERS, FAST_SIGMOID=FAST_SIGMOID,
+                    INTERVALS_IN_REGISTERS=INTERVALS_IN_REGISTERS, FAST_SIGMOID=FAST_SIGMOID, FLOOR_SCORES=FLOOR_SCORES,
                     DOT_PRECISION=DOT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V,
                     TILE_QK=TILE_QK, TILE_V=TILE_V, BIAS=BIAS, BROWS=brows, HAS_BIAS=HAS_BIAS, WIDE_TIMES=copy == 1)
         acc = acc * out_scale
