@@ -60,7 +60,7 @@ def _both(*edits):
 
 
 VARIANTS = {
-    "no-grads": [(DKDV, _replace("                    if BIAS_GRAD:\n", "                    if False:\n"))],
+    "no-grads": [(DKDV, _replace("            if BIAS_GRAD:\n", "            if False:\n"))],
     "no-pos-grad": [(BIAS, _cut(POS_GRAD, None))],  # bias_grad is the file's last function
     "one-pos-atomic": [(BIAS, _replace(POS_ATOMIC, 'tl.atomic_add(dpos, tl.sum(tl.sum(diag, axis=1), axis=0), '
                                                    'sem="relaxed")'))],

@@ -63,7 +63,7 @@ def hstu_backward_dq_kernel(
     FAST_SIGMOID: tl.constexpr, FLOOR_SCORES: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr, DIM_V: tl.constexpr,
     TILE_QK: tl.constexpr, TILE_V: tl.constexpr,
-    BIAS=None, HAS_BIAS: tl.constexpr = False,
+    BIAS=None, HAS_BIAS: tl.constexpr = False, WIDE_PASS: tl.constexpr = False,
 ):
     """``Q``, ``K``, ``DQ``: ``Jagged (total, H, DIM_QK)``; ``V``, ``DO``: ``Jagged (total, H, DIM_V)``;
     ``ATTN_SCALE``: float32 ``(total,)``, each query row's factor of dS (read when HAS_ATTN_SCALE);
@@ -75,7 +75,7 @@ def hstu_backward_dq_kernel(
         NFUNC=NFUNC, MODE=MODE, HAS_TARGETS=HAS_TARGETS, INTERVALS_POW2=INTERVALS_POW2, FAST_SIGMOID=FAST_SIGMOID,
         FLOOR_SCORES=FLOOR_SCORES,
         DOT_PRECISION=DOT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK,
-        TILE_V=TILE_V, BIAS=BIAS, HAS_BIAS=HAS_BIAS)
+        TILE_V=TILE_V, BIAS=BIAS, HAS_BIAS=HAS_BIAS, WIDE_PASS=WIDE_PASS)
 
 
 @triton.jit
@@ -89,7 +89,7 @@ def hstu_backward_dkdv_kernel(
     FAST_SIGMOID: tl.constexpr, FLOOR_SCORES: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr, DIM_V: tl.constexpr,
     TILE_QK: tl.constexpr, TILE_V: tl.constexpr,
-    BIAS=None, HAS_BIAS: tl.constexpr = False, BIAS_GRAD: tl.constexpr = False,
+    BIAS=None, HAS_BIAS: tl.constexpr = False, BIAS_GRAD: tl.constexpr = False, WIDE_PASS: tl.constexpr = False,
 ):
     """1-D grid ``(n_workers + n_kblocks) * n_heads``: first ``n_workers`` programs per head (heads
     interleaved), each taking every ``n_workers``-th item of the head's split list (``ITEM_KB``, ``ITEM_LO``,
@@ -99,7 +99,7 @@ def hstu_backward_dkdv_kernel(
     has one row per head;
     ``ATTN_SCALE``: float32 ``(total,)``, each query row's factor of A and dS (read when HAS_ATTN_SCALE).
     ``BIAS``: ``bias.Bias``, added to the scores when HAS_BIAS; with BIAS_GRAD each tile's ``dS`` is also
-    reduced into the tables' gradient buffers (``bias.bias_grad``)."""
+    reduced into the tables' gradient buffers (``bias.bias_grad``); WIDE_PASS: as ``query_major_program``."""
     pid = tl.program_id(0)
     worker = pid < n_workers * n_heads
     if worker:  # every n_workers-th item of its head's list
@@ -112,14 +112,14 @@ def hstu_backward_dkdv_kernel(
                        chunk, alpha, dk_scale, dv_scale, ATTN_SCALE, HAS_ATTN_SCALE, NFUNC, MODE, HAS_TARGETS,
                        INTERVALS_POW2, FAST_SIGMOID, FLOOR_SCORES, DOT_PRECISION, BLOCK_M, BLOCK_N, DIM_QK, DIM_V,
                        TILE_QK, TILE_V,
-                       BIAS, HAS_BIAS, BIAS_GRAD)
+                       BIAS, HAS_BIAS, BIAS_GRAD, WIDE_PASS)
     else:  # a key block: the first piece of its range
         r = pid - n_workers * n_heads
         _key_block(Q, K, V, DO, DK, DV, func, rule, OFFS, KTAB, BOUNDS, QLO, QHI, 0, 0, False, r % n_kblocks,
                    r // n_kblocks, plan_head, n_qblocks, n_kblocks, chunk, alpha, dk_scale, dv_scale, ATTN_SCALE,
                    HAS_ATTN_SCALE, NFUNC, MODE, HAS_TARGETS, INTERVALS_POW2, FAST_SIGMOID, FLOOR_SCORES,
                    DOT_PRECISION, BLOCK_M,
-                   BLOCK_N, DIM_QK, DIM_V, TILE_QK, TILE_V, BIAS, HAS_BIAS, BIAS_GRAD)
+                   BLOCK_N, DIM_QK, DIM_V, TILE_QK, TILE_V, BIAS, HAS_BIAS, BIAS_GRAD, WIDE_PASS)
 
 
 @triton.jit
@@ -130,13 +130,17 @@ def _key_block(Q, K, V, DO, DK, DV, func, rule, OFFS, KTAB, BOUNDS, QLO, QHI, it
                INTERVALS_POW2: tl.constexpr, FAST_SIGMOID: tl.constexpr, FLOOR_SCORES: tl.constexpr,
                DOT_PRECISION: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr, DIM_V: tl.constexpr,
-               TILE_QK: tl.constexpr, TILE_V: tl.constexpr, BIAS, HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr):
+               TILE_QK: tl.constexpr, TILE_V: tl.constexpr, BIAS, HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr,
+               WIDE_PASS: tl.constexpr):
     """dK, dV of key block ``kflat`` over one piece of its query range: a worker's item ``[item_lo, item_hi)``
     (WORKER), or the key block's own program's first piece (the whole range when it holds at most ``chunk`` query
     blocks, written with plain stores; else added atomically, as every worker's piece). Two copies in the kernel:
     the key blocks' carries no loop state of the workers (at 255 registers, each live value spills)."""
     seq, kb, seq_start, L = locate_block(KTAB, OFFS, kflat, BLOCK_N)
-    if kb * BLOCK_N < L:
+    live = kb * BLOCK_N < L
+    if HAS_BIAS:  # this launch's sequences only (op.bias_passes)
+        live = live & (tl.load(BIAS.seq_wide + seq) == (1 if WIDE_PASS else 0))
+    if live:
         targets = sequence_targets(rule, seq, HAS_TARGETS)
         n0 = kb * BLOCK_N
         n1 = tl.minimum(n0 + BLOCK_N, L)
@@ -166,65 +170,60 @@ def _key_block(Q, K, V, DO, DK, DV, func, rule, OFFS, KTAB, BOUNDS, QLO, QHI, it
         acc_v = tl.zeros((BLOCK_N, TILE_V), dtype=tl.float32)
         if HAS_BIAS:
             bi, bmin, bmax, base_b = bias_cols(BIAS, seq_start, L, cols, n0)
-        # With a bias, two copies of the loop: the one holding the int64 path for wide chunks runs only where
-        # the sequence has one (bias.add_bias); seq_wide is 0 or 1.
-        wide = tl.load(BIAS.seq_wide + seq) if HAS_BIAS else 0
-        for copy in tl.static_range(2 if HAS_BIAS else 1):
-            if wide == copy:
-                for qb in range(lo, hi):
-                    m0 = qb * BLOCK_M
-                    rows = m0 + tl.arange(0, BLOCK_M)
-                    row_ok = rows < L
-                    rows_g = seq_start + rows
-                    q = load_rows(Q, rows_g, row_ok, h, DIM_QK, TILE_QK)
-                    do = load_rows(DO, rows_g, row_ok, h, DIM_V, TILE_V)
-                    if MODE == MODE_CAUSAL:
-                        hlo, hhi, clo, chi = causal_bounds(m0, L, BLOCK_M, INTERVALS_POW2)
-                    else:
-                        b = BOUNDS + ((h * plan_head * n_qblocks) + q_flat + qb) * 4 * INTERVALS_POW2 + jr
-                        hlo = tl.load(b)
-                        hhi = tl.load(b + INTERVALS_POW2)
-                        clo = tl.load(b + 2 * INTERVALS_POW2)
-                        chi = tl.load(b + 3 * INTERVALS_POW2)
-                    s = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * alpha  # (BLOCK_N, BLOCK_M): S^T
-                    if HAS_BIAS:
-                        ai, amin, amax, base_a = bias_rows(BIAS, seq_start, L, rows, m0)
-                        d = base_a - base_b
-                        b_lo, b_hi = tile_buckets(BIAS, amin, amax, bmin, bmax, d)
-                        if m0 < L:  # always: keeps the pipeliner off the bias loads (bias.PIPELINE_GUARD)
-                            s = add_bias(s, BIAS, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, True,
-                                         copy == 1)
-                    if FLOOR_SCORES:
-                        s = finite_below(s)
-                    sig = sigmoid(s, FAST_SIGMOID)
-                    p = s * sig
-                    dsilu = sig * (1.0 + s * (1.0 - sig))
-                    if HAS_ATTN_SCALE:
-                        row_scale = tl.load(ATTN_SCALE + rows_g, mask=row_ok, other=0.0)[None, :]
-                        p = p * row_scale
-                        dsilu = dsilu * row_scale
-                    # Both operands of the coming dots are cast now, before dP is computed: fewer registers live
-                    # at once (s and sig die here), which keeps this kernel from spilling.
-                    p = p.to(do.dtype)
-                    dp = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-                    ds = (dp * dsilu).to(q.dtype)
-                    if not block_is_full(n0, n1, clo, chi):
-                        # Intervals are re-read here rather than held in registers: along this kernel's
-                        # transposed tile a row vector costs ~16 registers a thread (measured slower).
-                        if MODE == MODE_CAUSAL:
-                            vis = cols[:, None] <= rows[None, :]
-                        else:
-                            vis = interval_visibility(
-                                func=func_h, targets=targets, rule=rule, rows=rows, rows_g=rows_g, row_ok=row_ok,
-                                L=L, cols=cols, n0=n0, hlo=hlo, hhi=hhi, NFUNC=NFUNC, MODE=MODE,
-                                HAS_TARGETS=HAS_TARGETS, INTERVALS_POW2=INTERVALS_POW2, BLOCK_N=BLOCK_N, TRANS=True)
-                        p = tl.where(vis, p, 0.0)
-                        ds = tl.where(vis, ds, 0.0)
-                    if BIAS_GRAD:
-                        bias_grad(BIAS, h, seq_start, L, ds, rows, cols, ai, bi, d, b_lo, b_hi, dv_scale,
-                                  DOT_PRECISION, True, copy == 1)
-                    acc_v += tl.dot(p, do, input_precision=DOT_PRECISION)
-                    acc_k += tl.dot(ds, q, input_precision=DOT_PRECISION)
+        for qb in range(lo, hi):
+            m0 = qb * BLOCK_M
+            rows = m0 + tl.arange(0, BLOCK_M)
+            row_ok = rows < L
+            rows_g = seq_start + rows
+            q = load_rows(Q, rows_g, row_ok, h, DIM_QK, TILE_QK)
+            do = load_rows(DO, rows_g, row_ok, h, DIM_V, TILE_V)
+            if MODE == MODE_CAUSAL:
+                hlo, hhi, clo, chi = causal_bounds(m0, L, BLOCK_M, INTERVALS_POW2)
+            else:
+                b = BOUNDS + ((h * plan_head * n_qblocks) + q_flat + qb) * 4 * INTERVALS_POW2 + jr
+                hlo = tl.load(b)
+                hhi = tl.load(b + INTERVALS_POW2)
+                clo = tl.load(b + 2 * INTERVALS_POW2)
+                chi = tl.load(b + 3 * INTERVALS_POW2)
+            s = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * alpha  # (BLOCK_N, BLOCK_M): S^T
+            if HAS_BIAS:
+                ai, amin, amax, base_a = bias_rows(BIAS, seq_start, L, rows, m0)
+                d = base_a - base_b
+                b_lo, b_hi = tile_buckets(BIAS, amin, amax, bmin, bmax, d)
+                if m0 < L:  # always: keeps the pipeliner off the bias loads (bias.PIPELINE_GUARD)
+                    s = add_bias(s, BIAS, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, True,
+                                 WIDE_PASS)
+            if FLOOR_SCORES:
+                s = finite_below(s)
+            sig = sigmoid(s, FAST_SIGMOID)
+            p = s * sig
+            dsilu = sig * (1.0 + s * (1.0 - sig))
+            if HAS_ATTN_SCALE:
+                row_scale = tl.load(ATTN_SCALE + rows_g, mask=row_ok, other=0.0)[None, :]
+                p = p * row_scale
+                dsilu = dsilu * row_scale
+            # Both operands of the coming dots are cast now, before dP is computed: fewer registers live
+            # at once (s and sig die here), which keeps this kernel from spilling.
+            p = p.to(do.dtype)
+            dp = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+            ds = (dp * dsilu).to(q.dtype)
+            if not block_is_full(n0, n1, clo, chi):
+                # Intervals are re-read here rather than held in registers: along this kernel's
+                # transposed tile a row vector costs ~16 registers a thread (measured slower).
+                if MODE == MODE_CAUSAL:
+                    vis = cols[:, None] <= rows[None, :]
+                else:
+                    vis = interval_visibility(
+                        func=func_h, targets=targets, rule=rule, rows=rows, rows_g=rows_g, row_ok=row_ok,
+                        L=L, cols=cols, n0=n0, hlo=hlo, hhi=hhi, NFUNC=NFUNC, MODE=MODE,
+                        HAS_TARGETS=HAS_TARGETS, INTERVALS_POW2=INTERVALS_POW2, BLOCK_N=BLOCK_N, TRANS=True)
+                p = tl.where(vis, p, 0.0)
+                ds = tl.where(vis, ds, 0.0)
+            if BIAS_GRAD:
+                bias_grad(BIAS, h, seq_start, L, ds, rows, cols, ai, bi, d, b_lo, b_hi, dv_scale,
+                          DOT_PRECISION, True, WIDE_PASS)
+            acc_v += tl.dot(p, do, input_precision=DOT_PRECISION)
+            acc_k += tl.dot(ds, q, input_precision=DOT_PRECISION)
         dk_ptrs = tile_ptrs(DK, cols_g, h, TILE_QK)
         dv_ptrs = tile_ptrs(DV, cols_g, h, TILE_V)
         dk_mask = tile_mask(col_ok, DIM_QK, TILE_QK)

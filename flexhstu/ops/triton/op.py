@@ -73,9 +73,14 @@ def _scale_args(attn_scale: torch.Tensor | None, offs: torch.Tensor) -> dict:
     return dict(ATTN_SCALE=offs if attn_scale is None else attn_scale, HAS_ATTN_SCALE=attn_scale is not None)
 
 
-def _bias_args(bias: bias_tables.Prepared | None) -> dict:
-    """The relative bias's kernel arguments (none without one: the kernels compile as before)."""
-    return {} if bias is None else dict(BIAS=bias.args, HAS_BIAS=True)
+def bias_passes(bias: bias_tables.Prepared | None) -> tuple[dict, ...]:
+    """The launches of each kernel and their bias arguments: one launch without a bias; with one, a launch for
+    the sequences without a wide chunk and one (WIDE_PASS, the int64 path compiled in) for those with one
+    (``Bias.seq_wide``, on the device: which sequences are wide is not read here, so both always run, and a
+    program of the other kind returns at once)."""
+    if bias is None:
+        return ({},)
+    return tuple(dict(BIAS=bias.args, HAS_BIAS=True, WIDE_PASS=wide) for wide in (False, True))
 
 
 def call_tiles(q: torch.Tensor, v: torch.Tensor, vis: Visibility, bias: bool = False) -> Tiles:
@@ -103,11 +108,12 @@ def forward(q, k, v, offs, vis: Visibility, alpha: float, out_scale: float,
     plan = plan if plan is not None else BlockPlan(offs, total, vis)
     offs = plan.offs  # safe offsets (BlockPlan.offs): the kernels never follow the caller's
     qtab, nqb = plan.tables.table(tile.block_m)
-    hstu_forward_kernel[(nqb, nheads)](
-        **_attention_args(q, k, v, offs, vis, alpha, interpreting), **tile.launch(),
-        **_scale_args(attn_scale, offs), **_bias_args(bias), OUT=jagged(out), QTAB=qtab, n_flat=nqb,
-        out_scale=1.0 if attn_scale is not None else out_scale,
-    )
+    for bias_kw in bias_passes(bias):
+        hstu_forward_kernel[(nqb, nheads)](
+            **_attention_args(q, k, v, offs, vis, alpha, interpreting), **tile.launch(),
+            **_scale_args(attn_scale, offs), **bias_kw, OUT=jagged(out), QTAB=qtab, n_flat=nqb,
+            out_scale=1.0 if attn_scale is not None else out_scale,
+        )
     return out
 
 
@@ -131,10 +137,11 @@ def backward(dout, q, k, v, offs, vis: Visibility, alpha: float, out_scale: floa
     args.update(_scale_args(attn_scale, offs))
     scale = 1.0 if attn_scale is not None else out_scale  # attn_scale replaces out_scale, row by row
     qtab, nqb = plan.tables.table(tq.block_m)
-    hstu_backward_dq_kernel[(nqb, nheads)](
-        **args, **tq.launch(), **_bias_args(bias),
-        DO=jagged(dout), DQ=jagged(dq), QTAB=qtab, n_flat=nqb, dq_scale=alpha * scale,
-    )
+    for bias_kw in bias_passes(bias):
+        hstu_backward_dq_kernel[(nqb, nheads)](
+            **args, **tq.launch(), **bias_kw,
+            DO=jagged(dout), DQ=jagged(dq), QTAB=qtab, n_flat=nqb, dq_scale=alpha * scale,
+        )
     # Key-major pass: its query blocks (BLOCK_M) and key blocks (BLOCK_N) index the plan.
     km = plan.key_major(tkv)
     # A key block's query range longer than `chunk` query blocks is cut into at most MAX_SPLIT pieces; its own
@@ -158,15 +165,14 @@ def backward(dout, q, k, v, offs, vis: Visibility, alpha: float, out_scale: floa
         dk, dv = _new_like(k), _new_like(v)
     lists = dict(ITEM_KB=split.kb, ITEM_LO=split.lo, ITEM_HI=split.hi, NITEMS=split.n, item_cap=split.cap) if split \
         else dict(ITEM_KB=km.ktab, ITEM_LO=km.ktab, ITEM_HI=km.ktab, NITEMS=km.ktab, item_cap=0)
-    bias_kv = _bias_args(bias)
-    if bias is not None and bias.args.dpos.numel():
-        bias_kv["BIAS_GRAD"] = True
-    hstu_backward_dkdv_kernel[((n_workers + km.n_kblocks) * nheads,)](
-        **args, **tkv.launch(), **bias_kv, **lists,
-        DO=jagged(dout), DK=jagged(dk), DV=jagged(dv), KTAB=km.ktab, BOUNDS=km.bounds, QLO=km.qlo, QHI=km.qhi,
-        n_workers=n_workers, n_heads=nheads, plan_head=1 if vis.per_head() else 0, n_qblocks=km.n_qblocks,
-        n_kblocks=km.n_kblocks, chunk=chunk, dk_scale=alpha * scale, dv_scale=scale,
-    )
+    grads = {"BIAS_GRAD": True} if bias is not None and bias.args.dpos.numel() else {}
+    for bias_kw in bias_passes(bias):
+        hstu_backward_dkdv_kernel[((n_workers + km.n_kblocks) * nheads,)](
+            **args, **tkv.launch(), **bias_kw, **grads, **lists,
+            DO=jagged(dout), DK=jagged(dk), DV=jagged(dv), KTAB=km.ktab, BOUNDS=km.bounds, QLO=km.qlo, QHI=km.qhi,
+            n_workers=n_workers, n_heads=nheads, plan_head=1 if vis.per_head() else 0, n_qblocks=km.n_qblocks,
+            n_kblocks=km.n_kblocks, chunk=chunk, dk_scale=alpha * scale, dv_scale=scale,
+        )
     return dq, dk, dv
 
 
