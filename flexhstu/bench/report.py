@@ -60,7 +60,8 @@ def attention_table(rows: list[Row]) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 # STU stack step (flexhstu bench --model-step): printed row by row as the variants finish
 
-STEP_HEADER = "| config | variant | step ms | step peak GiB | peak GiB |\n|---|---|---:|---:|---:|"
+STEP_HEADER = ("| config | variant | step ms | step peak GiB | peak GiB (3 steps, absolute) |\n"
+               "|---|---|---:|---:|---:|")
 
 
 def step_row(r: StepRow) -> str:

@@ -2,8 +2,11 @@
 
 A step is the stack's forward and the backward of ``out`` against a fixed gradient (every parameter
 and the input get gradients). Time: median of ``triton.testing.do_bench`` after warm-up (the first
-step, which compiles, is not timed). Memory: ``torch.cuda.max_memory_allocated`` over one step, less
-what was allocated before it (inputs, parameters, mask), and the absolute peak.
+step, which compiles, is not timed). Memory, as users measure it: ``torch.cuda.max_memory_allocated``
+after a reset over three steps in a row (the gradients of the input and the parameters kept and
+accumulated between them, as a loop without ``zero_grad`` does), absolute: the input, its gradient, the
+parameters and the mask included (*peak*); and that peak less what was allocated before the steps
+(the input, the output's gradient, the parameters, the mask: *step peak*).
 
 Variants (``STULayerConfig`` fields): ``eager`` plain autograd; ``lean`` recompute; ``compiled`` the
 plain body under torch.compile; ``lean+compiled`` recompute with compiled bodies; ``default`` the
@@ -245,7 +248,8 @@ def bench_config(a: argparse.Namespace, mask: str, kind: str, device: torch.devi
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
             before = torch.cuda.memory_allocated(device)
-            step()
+            for _ in range(3):  # the second and later steps add into gradients that already exist
+                step()
             torch.cuda.synchronize(device)
             peak = torch.cuda.max_memory_allocated(device) / 2**30
             step_peak = peak - before / 2**30
