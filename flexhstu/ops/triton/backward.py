@@ -22,11 +22,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .bias_tiles import add_bias, bias_cols, bias_grad, bias_rows, query_major_bias, tile_buckets
+from .bias_tiles import add_bias, bias_cols, bias_grad, bias_rows, tile_buckets
 from .block_tables import first_block, locate_block
 from .hulls import block_is_full, interval_visibility
 from .memory import load_rows, tile_mask, tile_ptrs
-from .query_major import query_major_program
+from .query_major import key_block_scores, query_major_program
 from .row_intervals import MODE_CAUSAL, causal_bounds, head_func, sequence_targets
 from .silu import finite_below, sigmoid
 
@@ -38,15 +38,8 @@ def dq_block(q, do, K, V, h, seq_start, L, n0, rows, alpha, BLOCK_N: tl.constexp
              HAS_BIAS: tl.constexpr = False, WIDE_TIMES: tl.constexpr = False):
     """Key block ``n0``: ``(dS / c, k)`` with ``dS / c = (do v^T) silu'(s)``, zeroed above the diagonal
     when CAUSAL_MASK; ``s`` includes the relative bias when HAS_BIAS (as ``attend``)."""
-    cols = n0 + tl.arange(0, BLOCK_N)
-    col_ok = cols < L
-    k = load_rows(K, seq_start + cols, col_ok, h, DIM_QK, TILE_QK)
-    v = load_rows(V, seq_start + cols, col_ok, h, DIM_V, TILE_V)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * alpha
-    if HAS_BIAS:
-        s = query_major_bias(s, BIAS, BROWS, h, seq_start, L, rows, cols, n0, WIDE_TIMES)
-    if FLOOR_SCORES:
-        s = finite_below(s)
+    cols, k, v, s = key_block_scores(q, K, V, h, seq_start, L, n0, rows, alpha, BLOCK_N, DIM_QK, DIM_V, TILE_QK,
+                                     TILE_V, FLOOR_SCORES, DOT_PRECISION, BIAS, BROWS, HAS_BIAS, WIDE_TIMES)
     sig = sigmoid(s, FAST_SIGMOID)
     ds = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION) * sig * (1.0 + s * (1.0 - sig))
     if CAUSAL_MASK:

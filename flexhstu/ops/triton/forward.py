@@ -5,10 +5,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .bias_tiles import query_major_bias
-from .memory import load_rows
-from .query_major import query_major_program
-from .silu import finite_below, sigmoid
+from .query_major import key_block_scores, query_major_program
+from .silu import sigmoid
 
 
 @triton.jit
@@ -22,15 +20,8 @@ def attend(q, do, K, V, h, seq_start, L, n0, rows, alpha, BLOCK_N: tl.constexpr,
     (``BIAS``: ``bias.Bias``; ``BROWS``: the program's ``bias_rows``) is added to the scores, with the int64
     path for wide chunks compiled in when WIDE_TIMES (``bias.add_bias``).
     """
-    cols = n0 + tl.arange(0, BLOCK_N)
-    col_ok = cols < L
-    k = load_rows(K, seq_start + cols, col_ok, h, DIM_QK, TILE_QK)
-    v = load_rows(V, seq_start + cols, col_ok, h, DIM_V, TILE_V)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * alpha
-    if HAS_BIAS:
-        s = query_major_bias(s, BIAS, BROWS, h, seq_start, L, rows, cols, n0, WIDE_TIMES)
-    if FLOOR_SCORES:
-        s = finite_below(s)
+    cols, _, v, s = key_block_scores(q, K, V, h, seq_start, L, n0, rows, alpha, BLOCK_N, DIM_QK, DIM_V, TILE_QK,
+                                     TILE_V, FLOOR_SCORES, DOT_PRECISION, BIAS, BROWS, HAS_BIAS, WIDE_TIMES)
     p = s * sigmoid(s, FAST_SIGMOID)
     if CAUSAL_MASK:
         p = tl.where(cols[None, :] <= rows[:, None], p, 0.0)

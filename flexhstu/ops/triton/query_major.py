@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .bias_tiles import bias_rows
+from .bias_tiles import bias_rows, query_major_bias
 from .block_tables import locate_block
 from .hulls import (
     block_bounds,
@@ -28,6 +28,27 @@ from .hulls import (
 )
 from .memory import load_rows, store_rows
 from .row_intervals import MODE_CAUSAL, head_func, sequence_targets
+from .silu import finite_below
+
+
+@triton.jit
+def key_block_scores(q, K, V, h, seq_start, L, n0, rows, alpha, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr,
+                     DIM_V: tl.constexpr, TILE_QK: tl.constexpr, TILE_V: tl.constexpr, FLOOR_SCORES: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr, BIAS, BROWS, HAS_BIAS: tl.constexpr, WIDE_TIMES: tl.constexpr):
+    """Key block ``n0`` of a query-major program: its columns, ``k``, ``v`` and the scores ``alpha q k^T``,
+    plus the relative bias with HAS_BIAS (``BROWS``: the program's ``bias_rows``; WIDE_TIMES: the int64 path,
+    ``bias_tiles.add_bias``), floored with FLOOR_SCORES (``silu.finite_below``). The set-up every block
+    function (``forward.attend``, ``backward.dq_block``) shares."""
+    cols = n0 + tl.arange(0, BLOCK_N)
+    col_ok = cols < L
+    k = load_rows(K, seq_start + cols, col_ok, h, DIM_QK, TILE_QK)
+    v = load_rows(V, seq_start + cols, col_ok, h, DIM_V, TILE_V)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * alpha
+    if HAS_BIAS:
+        s = query_major_bias(s, BIAS, BROWS, h, seq_start, L, rows, cols, n0, WIDE_TIMES)
+    if FLOOR_SCORES:
+        s = finite_below(s)
+    return cols, k, v, s
 
 
 @triton.jit
