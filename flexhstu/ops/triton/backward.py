@@ -56,7 +56,7 @@ def hstu_backward_dq_kernel(
     FAST_SIGMOID: tl.constexpr, FLOOR_SCORES: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr, DIM_V: tl.constexpr,
     TILE_QK: tl.constexpr, TILE_V: tl.constexpr,
-    BIAS=None, HAS_BIAS: tl.constexpr = False, WIDE_PASS: tl.constexpr = False,
+    BIAS=None, HAS_BIAS: tl.constexpr = False,
 ):
     """``Q``, ``K``, ``DQ``: ``Jagged (total, H, DIM_QK)``; ``V``, ``DO``: ``Jagged (total, H, DIM_V)``;
     ``ATTN_SCALE``: float32 ``(total,)``, each query row's factor of dS (read when HAS_ATTN_SCALE);
@@ -68,7 +68,7 @@ def hstu_backward_dq_kernel(
         NFUNC=NFUNC, MODE=MODE, HAS_TARGETS=HAS_TARGETS, INTERVALS_POW2=INTERVALS_POW2, FAST_SIGMOID=FAST_SIGMOID,
         FLOOR_SCORES=FLOOR_SCORES,
         DOT_PRECISION=DOT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK,
-        TILE_V=TILE_V, BIAS=BIAS, HAS_BIAS=HAS_BIAS, WIDE_PASS=WIDE_PASS)
+        TILE_V=TILE_V, BIAS=BIAS, HAS_BIAS=HAS_BIAS)
 
 
 @triton.jit
@@ -92,7 +92,11 @@ def hstu_backward_dkdv_kernel(
     has one row per head;
     ``ATTN_SCALE``: float32 ``(total,)``, each query row's factor of A and dS (read when HAS_ATTN_SCALE).
     ``BIAS``: ``bias.Bias``, added to the scores when HAS_BIAS; with BIAS_GRAD each tile's ``dS`` is also
-    reduced into the tables' gradient buffers (``bias.bias_grad``); WIDE_PASS: as ``query_major_program``."""
+    reduced into the tables' gradient buffers (``bias.bias_grad``). With a bias the kernel is launched twice
+    (``op.bias_passes``): WIDE_PASS False runs the key blocks of sequences without a wide chunk, True those
+    with one, with the int64 path compiled in (``bias_tiles.add_bias``); the other programs return at once.
+    Two launches rather than two copies of the loop: the common copy does not carry the wide one's
+    registers, which spill at 255 a thread."""
     pid = tl.program_id(0)
     worker = pid < n_workers * n_heads
     if worker:  # every n_workers-th item of its head's list

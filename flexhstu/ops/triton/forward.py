@@ -37,7 +37,7 @@ def hstu_forward_kernel(
     FAST_SIGMOID: tl.constexpr, FLOOR_SCORES: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr, DIM_V: tl.constexpr,
     TILE_QK: tl.constexpr, TILE_V: tl.constexpr,
-    BIAS=None, HAS_BIAS: tl.constexpr = False, WIDE_PASS: tl.constexpr = False,
+    BIAS=None, HAS_BIAS: tl.constexpr = False,
 ):
     """``Q``, ``K``: ``Jagged (total, H, DIM_QK)``; ``V``, ``OUT``: ``Jagged (total, H, DIM_V)``;
     ``func``: ``Func``; ``rule``: ``RuleArgs``; ``ATTN_SCALE``: float32 ``(total,)``, each output row's
@@ -49,4 +49,4 @@ def hstu_forward_kernel(
         NFUNC=NFUNC, MODE=MODE, HAS_TARGETS=HAS_TARGETS, INTERVALS_POW2=INTERVALS_POW2, FAST_SIGMOID=FAST_SIGMOID,
         FLOOR_SCORES=FLOOR_SCORES,
         DOT_PRECISION=DOT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK,
-        TILE_V=TILE_V, BIAS=BIAS, HAS_BIAS=HAS_BIAS, WIDE_PASS=WIDE_PASS)
+        TILE_V=TILE_V, BIAS=BIAS, HAS_BIAS=HAS_BIAS)

@@ -134,17 +134,12 @@ def query_major_program(Q, DO, K, V, OUT, func, rule, OFFS, QTAB, n_flat, alpha,
                         BLOCK_N: tl.constexpr,
                         DIM_QK: tl.constexpr, DIM_V: tl.constexpr, TILE_QK: tl.constexpr, TILE_V: tl.constexpr,
                         ROW_SCALE=None, HAS_ROW_SCALE: tl.constexpr = False, BIAS=None,
-                        HAS_BIAS: tl.constexpr = False, WIDE_PASS: tl.constexpr = False):
+                        HAS_BIAS: tl.constexpr = False):
     """One query-major program: locate its query block (last flat blocks first: under causal-like masks
     they carry the most key blocks), load ``q`` (and ``do`` when WITH_DO), walk, store
     ``out_scale * acc`` into ``OUT``: ``(total, H, DIM_QK)`` (dQ) when WITH_DO, else ``(total, H, DIM_V)``;
     each row also times ``ROW_SCALE[row]`` (float32 ``(total,)``) when HAS_ROW_SCALE. With HAS_BIAS the
-    rows' times are read once here and ``BIAS`` (``bias.Bias``) is added to every score.
-
-    With a bias every kernel is launched twice (``op.bias_passes``): WIDE_PASS False runs the programs of
-    sequences without a wide chunk, True those with one, with the int64 path compiled in (``bias.add_bias``);
-    the other programs return at once. Two launches rather than two copies of the walk in one kernel: the
-    common copy does not carry the wide one's registers, which at 255 registers a thread would spill."""
+    rows' times are read once here and ``BIAS`` (``bias.Bias``) is added to every score."""
     OUT_DIM: tl.constexpr = DIM_QK if WITH_DO else DIM_V
     # Register-resident intervals for funcs of up to four intervals (load_row_intervals holds four).
     INTERVALS_IN_REGISTERS: tl.constexpr = NFUNC <= 7
@@ -152,10 +147,7 @@ def query_major_program(Q, DO, K, V, OUT, func, rule, OFFS, QTAB, n_flat, alpha,
     h = tl.program_id(1)
     seq, qb, seq_start, L = locate_block(QTAB, OFFS, n_flat - 1 - tl.program_id(0), BLOCK_M)
     m0 = qb * BLOCK_M
-    live = m0 < L
-    if HAS_BIAS:
-        live = live & (tl.load(BIAS.seq_wide + seq) == (1 if WIDE_PASS else 0))
-    if live:
+    if m0 < L:
         rows = m0 + tl.arange(0, BLOCK_M)
         row_ok = rows < L
         rows_g = seq_start + rows
@@ -163,13 +155,18 @@ def query_major_program(Q, DO, K, V, OUT, func, rule, OFFS, QTAB, n_flat, alpha,
         do = load_rows(DO, rows_g, row_ok, h, DIM_V, TILE_V) if WITH_DO else q
         acc = tl.zeros((BLOCK_M, OUT_TILE), dtype=tl.float32)
         brows = bias_rows(BIAS, seq_start, L, rows, m0) if HAS_BIAS else None
-        acc = query_major_walk(
-            acc=acc, q=q, do=do, K=K, V=V, func=func, rule=rule, h=h, seq=seq, seq_start=seq_start, L=L,
-            m0=m0, rows=rows, row_ok=row_ok, rows_g=rows_g, alpha=alpha, BLOCK_FN=BLOCK_FN, NFUNC=NFUNC,
-            MODE=MODE, HAS_TARGETS=HAS_TARGETS, INTERVALS_POW2=INTERVALS_POW2,
-            INTERVALS_IN_REGISTERS=INTERVALS_IN_REGISTERS, FAST_SIGMOID=FAST_SIGMOID, FLOOR_SCORES=FLOOR_SCORES,
-            DOT_PRECISION=DOT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V,
-            TILE_QK=TILE_QK, TILE_V=TILE_V, BIAS=BIAS, BROWS=brows, HAS_BIAS=HAS_BIAS, WIDE_TIMES=WIDE_PASS)
+        # With a bias, two copies of the walk: the one holding the int64 path for wide chunks runs only where the
+        # sequence has one (bias.add_bias); seq_wide is 0 or 1.
+        wide = tl.load(BIAS.seq_wide + seq) if HAS_BIAS else 0
+        for copy in tl.static_range(2 if HAS_BIAS else 1):
+            if wide == copy:
+                acc = query_major_walk(
+                    acc=acc, q=q, do=do, K=K, V=V, func=func, rule=rule, h=h, seq=seq, seq_start=seq_start, L=L,
+                    m0=m0, rows=rows, row_ok=row_ok, rows_g=rows_g, alpha=alpha, BLOCK_FN=BLOCK_FN, NFUNC=NFUNC,
+                    MODE=MODE, HAS_TARGETS=HAS_TARGETS, INTERVALS_POW2=INTERVALS_POW2,
+                    INTERVALS_IN_REGISTERS=INTERVALS_IN_REGISTERS, FAST_SIGMOID=FAST_SIGMOID, FLOOR_SCORES=FLOOR_SCORES,
+                    DOT_PRECISION=DOT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V,
+                    TILE_QK=TILE_QK, TILE_V=TILE_V, BIAS=BIAS, BROWS=brows, HAS_BIAS=HAS_BIAS, WIDE_TIMES=copy == 1)
         acc = acc * out_scale
         if HAS_ROW_SCALE:
             acc = acc * tl.load(ROW_SCALE + rows_g, mask=row_ok, other=0.0)[:, None]
