@@ -17,7 +17,7 @@ points ``runs/latest`` (a symlink, replaced atomically) at it; ``--resume`` with
 ``main`` (``loop``) runs the steps in order: ``parse`` the arguments (``options``), ``prepare_data``
 (``splits``), claim the run's folder (``run_folder``), ``build_model`` (``flexhstu.models``), ``resume`` from a
 checkpoint (``run_state``), ``train_epoch`` (``epoch``) and ``evaluate`` (``evaluation``) on validation per
-epoch, ``evaluate`` on test at the best epoch, ``write`` the metrics (``report``).
+epoch, ``evaluate`` on test at the best epoch, ``write`` the metrics (``run_report``).
 """
 
 from ..models import build_model
@@ -25,8 +25,8 @@ from .epoch import Diverged, checksum, epoch_batches, param_groups, train_epoch
 from .evaluation import evaluate, ranking_metrics, retrieval_metrics, run_popularity, validation_score
 from .loop import cli, main, train
 from .options import BUILTIN_DATA, DEFAULT_LR, build_parser, check_cutoffs, data_path, model_config, parse
-from .report import Throughput, plot, plot_title, throughput_line, write
 from .run_folder import RUNS, lock_run, resolve_out, unlock_run
+from .run_report import Throughput, plot, plot_title, throughput_line, write
 from .run_state import Progress, resume, run_config, save_checkpoint
 from .splits import Splits, prepare_data
 

@@ -18,7 +18,7 @@ from .. import distributed
 from ..models import make_batch
 from ..models.ranking import collate
 from ..nn import onerank_loss
-from .report import Throughput
+from .run_report import Throughput
 from .run_state import Progress
 from .splits import Splits
 

@@ -19,8 +19,8 @@ from ..models import build_model
 from .epoch import Diverged, checksum, diverged_message, param_groups, train_epoch
 from .evaluation import evaluate, run_popularity, validation_score
 from .options import DEFAULT_LR, check_cutoffs, model_config, parse
-from .report import Throughput, write, written_metrics
 from .run_folder import latest_after_output, resolve_out, unlock_run
+from .run_report import Throughput, write, written_metrics
 from .run_state import Progress, resume, save_checkpoint
 from .splits import Splits, prepare_data
 
