@@ -91,7 +91,7 @@ class AttnPlan:
         """The Triton block plan (``ops.triton.block_plan.BlockPlan``), made on first use."""
         if self._block is None:
             from .triton.block_plan import BlockPlan
-            from .triton.op import visibility
+            from .triton.launch import visibility
 
             offs = self.seq_offsets.to(torch.int64).contiguous()
             mask = self.mask

@@ -178,7 +178,7 @@ def test_eager_and_compiled_paths_match_the_reference_with_gradients(name, compi
 
 
 def test_poisoned_outputs_start_as_nan_and_the_kernels_overwrite_them():
-    from flexhstu.ops.triton.op import _new_like
+    from flexhstu.ops.triton.launch import _new_like
 
     x = torch.zeros(3, 2)
     assert torch.isnan(_new_like(x)).all()
@@ -337,7 +337,8 @@ def test_head_dim_above_the_limit_is_rejected_naming_the_argument():
 @pytest.mark.parametrize("allow_tf32", [True, False])
 def test_fp32_dot_precision_follows_allow_tf32(allow_tf32):
     # The interpreter computes both precisions exactly, so this checks the constexpr the kernels are launched with.
-    from flexhstu.ops.triton.op import Visibility, _attention_args
+    from flexhstu.ops.triton.block_plan import Visibility
+    from flexhstu.ops.triton.launch import _attention_args
     from flexhstu.ops.triton.row_intervals import MODE_CAUSAL
 
     offs = offsets_from([4])

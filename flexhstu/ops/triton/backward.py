@@ -93,7 +93,7 @@ def hstu_backward_dkdv_kernel(
     ``ATTN_SCALE``: float32 ``(total,)``, each query row's factor of A and dS (read when HAS_ATTN_SCALE).
     ``BIAS``: ``bias.Bias``, added to the scores when HAS_BIAS; with BIAS_GRAD each tile's ``dS`` is also
     reduced into the tables' gradient buffers (``bias.bias_grad``). With a bias the kernel is launched twice
-    (``op.bias_passes``): WIDE_PASS False runs the key blocks of sequences without a wide chunk, True those
+    (``launch.bias_passes``): WIDE_PASS False runs the key blocks of sequences without a wide chunk, True those
     with one, with the int64 path compiled in (``bias_tiles.add_bias``); the other programs return at once.
     Two launches rather than two copies of the loop: the common copy does not carry the wide one's
     registers, which spill at 255 a thread."""
@@ -135,7 +135,7 @@ def _key_block(Q, K, V, DO, DK, DV, func, rule, OFFS, KTAB, BOUNDS, QLO, QHI, it
     the key blocks' carries no loop state of the workers (at 255 registers, each live value spills)."""
     seq, kb, seq_start, L = locate_block(KTAB, OFFS, kflat, BLOCK_N)
     live = kb * BLOCK_N < L
-    if HAS_BIAS:  # this launch's sequences only (op.bias_passes)
+    if HAS_BIAS:  # this launch's sequences only (launch.bias_passes)
         live = live & (tl.load(BIAS.seq_wide + seq) == (1 if WIDE_PASS else 0))
     if live:
         targets = sequence_targets(rule, seq, HAS_TARGETS)

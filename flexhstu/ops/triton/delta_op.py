@@ -10,11 +10,12 @@ from contextvars import ContextVar
 import torch
 
 from .args import jagged
+from .block_plan import Visibility
 from .block_tables import block_table, safe_offsets
 from .config import tiles
 from .delta_kernel import delta_forward_kernel
+from .launch import _MODE_CAUSAL, _MODE_FIXED, _MODE_FUNC, _attention_args, _interpreting, _last_dim_contiguous
 from .limits import tile_dim
-from .op import _MODE_CAUSAL, _MODE_FIXED, _MODE_FUNC, Visibility, _attention_args, _interpreting, _last_dim_contiguous
 
 MAX_SPLITS = 16
 _FORCED_SPLITS: ContextVar[int | None] = ContextVar("flexhstu_delta_splits", default=None)

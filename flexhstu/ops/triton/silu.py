@@ -24,6 +24,6 @@ def finite_below(s):
 
     A score that overflows to -inf (a huge ``alpha`` or huge q, k) has silu 0 in exact arithmetic, but
     ``-inf * sigmoid(-inf)`` is NaN; at the lowest finite value the product is -0. One min/max per score,
-    compiled in only where ``|alpha| > 1`` (FLOOR_SCORES, ``op._attention_args``).
+    compiled in only where ``|alpha| > 1`` (FLOOR_SCORES, ``launch._attention_args``).
     """
     return tl.maximum(s, -3.4028234663852886e38, propagate_nan=tl.PropagateNan.ALL)

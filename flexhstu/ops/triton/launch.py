@@ -1,0 +1,207 @@
+"""The kernels' launches: ``forward`` and ``backward`` (tiles, block plan, bias passes, the key-major split), their
+arguments, and ``visibility`` (the kernels' mask description from ``triton_hstu_mha``'s mask arguments)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import bias_tables
+from .args import jagged
+from .backward import hstu_backward_dkdv_kernel, hstu_backward_dq_kernel
+from .block_plan import BlockPlan, Visibility
+from .config import Tiles, tiles
+from .debug import poisoning
+from .forward import hstu_forward_kernel
+from .limits import tile_dim
+from .row_intervals import BIG, MODE_CAUSAL, MODE_FIXED, MODE_FUNC
+
+_NEVER_SPLIT = int(BIG)
+"""A chunk longer than any key block's query range (in query blocks)."""
+MAX_SPLIT = 16
+"""Pieces a long key-major range is cut into at most (a power of two). Each piece's partial dK, dV is added
+atomically in the outputs' dtype, so more pieces mean more roundings of bf16 sums; 16 pieces of 256 query
+blocks of 32 rows cover a 131,072-row SLA prefix column with no piece longer than the average walk."""
+_SMS: dict[torch.device, int] = {}
+
+
+def _workers(device: torch.device) -> int:
+    """Split-list workers per head: two per multiprocessor, enough to start every piece at once on the usual
+    batches (an idle worker reads one count and exits)."""
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" \
+            else 4
+    return 2 * _SMS[device]
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _new_like(x: torch.Tensor, *shape: int) -> torch.Tensor:
+    out = torch.empty(*(shape or x.shape), dtype=x.dtype, device=x.device)
+    return out.fill_(float("nan")) if poisoning() else out
+
+
+def _last_dim_contiguous(*xs: torch.Tensor) -> list[torch.Tensor]:
+    return [x if x.stride(-1) == 1 else x.contiguous() for x in xs]
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot`` input precision: float32 inputs honour ``torch.backends.cuda.matmul.allow_tf32``
+    (IEEE fp32 products when it is False); half types multiply exactly in any case ("tf32", the default)."""
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+def _attention_args(q, k, v, offs, vis: Visibility, alpha: float, interpreting: bool) -> dict:
+    """Arguments of the three attention kernels: Q, K, V, the mask, the head dims, the sigmoid switch
+    (tanh.approx on the GPU; the interpreter has no inline PTX), the dot precision, and FLOOR_SCORES: with
+    ``|alpha| > 1`` a finite ``q.k`` can overflow to -inf in ``alpha q.k``, so the scores are floored
+    (``silu.finite_below``); with ``|alpha| <= 1`` it cannot, and the kernels skip that step."""
+    dqk, dv = q.shape[2], v.shape[2]
+    return dict(Q=jagged(q), K=jagged(k), V=jagged(v), OFFS=offs, alpha=alpha, DIM_QK=dqk, DIM_V=dv,
+                TILE_QK=tile_dim(dqk), TILE_V=tile_dim(dv), FAST_SIGMOID=not interpreting,
+                FLOOR_SCORES=abs(alpha) > 1.0, DOT_PRECISION=dot_precision(q.dtype), **vis.kernel_args(offs))
+
+
+def _scale_args(attn_scale: torch.Tensor | None, offs: torch.Tensor) -> dict:
+    """The per-row factor of A (attn_scale, float32 ``(total,)``) when given; ``offs`` is a never-read stand-in."""
+    return dict(ATTN_SCALE=offs if attn_scale is None else attn_scale, HAS_ATTN_SCALE=attn_scale is not None)
+
+
+def _bias_args(bias: bias_tables.Prepared | None) -> dict:
+    """The relative bias's kernel arguments (none without one: the kernels compile as before)."""
+    return {} if bias is None else dict(BIAS=bias.args, HAS_BIAS=True)
+
+
+def bias_passes(bias: bias_tables.Prepared | None) -> tuple[dict, ...]:
+    """The dK/dV kernel's launches and their bias arguments: one without a bias; with one, a launch for the
+    sequences without a wide chunk and one (WIDE_PASS, the int64 path compiled in) for those with one
+    (``Bias.seq_wide``, on the device: which sequences are wide is not read here, so both always run, and a
+    program of the other kind returns at once). The query-major kernels (forward, dQ) keep both copies of
+    their walk in one launch: split in two launches they ran 4% slower forward on an H100, while the dK/dV
+    kernel ran faster.
+    """
+    if bias is None:
+        return ({},)
+    return tuple(dict(BIAS=bias.args, HAS_BIAS=True, WIDE_PASS=wide) for wide in (False, True))
+
+
+def call_tiles(q: torch.Tensor, v: torch.Tensor, vis: Visibility, bias: bool = False) -> Tiles:
+    """The tiles of one call (defaults for its head dims, the mask's sparsity and whether a relative bias is
+    added, or a ``tile_override`` in force), read once when the call starts and carried to its backward, which
+    autograd may run on another thread."""
+    return tiles(tile_dim(q.shape[2]), tile_dim(v.shape[2]), _interpreting(), vis.sparse, bias)
+
+
+def forward(q, k, v, offs, vis: Visibility, alpha: float, out_scale: float,
+            attn_scale: torch.Tensor | None = None, plan: BlockPlan | None = None,
+            tile_set: Tiles | None = None, bias: bias_tables.Prepared | None = None) -> torch.Tensor:
+    """``out_scale`` scales every row; with ``attn_scale`` (float32 ``(total,)``) row ``t`` is scaled by
+    ``attn_scale[t]`` instead. ``tile_set``: the call's tiles (``call_tiles`` when None). ``bias``: a
+    relative bias (``bias.prepare``) added to the scores."""
+    q, k, v = _last_dim_contiguous(q, k, v)
+    total, nheads, _ = q.shape
+    out = _new_like(q, total, nheads, v.shape[2])
+    if total == 0:
+        return out
+    if offs.numel() == 1:  # no sequence (unchecked on CUDA): no row sees anything
+        return out.zero_()
+    interpreting = _interpreting()
+    tile = (tile_set or call_tiles(q, v, vis, bias is not None)).forward
+    plan = plan if plan is not None else BlockPlan(offs, total, vis)
+    offs = plan.offs  # safe offsets (BlockPlan.offs): the kernels never follow the caller's
+    qtab, nqb = plan.tables.table(tile.block_m)
+    hstu_forward_kernel[(nqb, nheads)](
+        **_attention_args(q, k, v, offs, vis, alpha, interpreting), **tile.launch(),
+        **_scale_args(attn_scale, offs), **_bias_args(bias), OUT=jagged(out), QTAB=qtab, n_flat=nqb,
+        out_scale=1.0 if attn_scale is not None else out_scale,
+    )
+    return out
+
+
+def backward(dout, q, k, v, offs, vis: Visibility, alpha: float, out_scale: float, max_seq_len: int,
+             attn_scale: torch.Tensor | None = None, plan: BlockPlan | None = None, tile_set: Tiles | None = None,
+             bias: bias_tables.Prepared | None = None):
+    """dq, dk, dv; with ``bias`` the scores include it, and when its gradient buffers are allocated
+    (``bias.prepare(with_grads=True)``) the dK/dV kernel adds the tables' gradients into them."""
+    dout, q, k, v = _last_dim_contiguous(dout, q, k, v)
+    total, nheads, _ = q.shape
+    dq = _new_like(q)
+    if total == 0:
+        return dq, _new_like(k), _new_like(v)
+    if offs.numel() == 1:  # no sequence (unchecked on CUDA): no gradient
+        return dq.zero_(), torch.zeros_like(k), torch.zeros_like(v)
+    interpreting = _interpreting()
+    _, tq, tkv = tile_set or call_tiles(q, v, vis, bias is not None)
+    plan = plan if plan is not None else BlockPlan(offs, total, vis)
+    offs = plan.offs  # safe offsets (BlockPlan.offs): the kernels never follow the caller's
+    args = _attention_args(q, k, v, offs, vis, alpha, interpreting)
+    args.update(_scale_args(attn_scale, offs))
+    scale = 1.0 if attn_scale is not None else out_scale  # attn_scale replaces out_scale, row by row
+    qtab, nqb = plan.tables.table(tq.block_m)
+    hstu_backward_dq_kernel[(nqb, nheads)](
+        **args, **tq.launch(), **_bias_args(bias),
+        DO=jagged(dout), DQ=jagged(dq), QTAB=qtab, n_flat=nqb, dq_scale=alpha * scale,
+    )
+    # Key-major pass: its query blocks (BLOCK_M) and key blocks (BLOCK_N) index the plan.
+    km = plan.key_major(tkv)
+    # A key block's query range longer than `chunk` query blocks is cut into at most MAX_SPLIT pieces; its own
+    # program takes the first, workers scheduled before every key block take the rest from a list built on the
+    # device (block_plan.SplitList). max_seq_len only sizes the pieces: the last runs to the end of the range
+    # whatever its length, and when no range can be longer than one piece nothing is split (only then are the
+    # outputs, which the pieces add into, left unzeroed).
+    hint = max(max_seq_len, 1)
+    if interpreting:  # the offsets are on the host: a hint above the longest sequence is cut to it (it made most
+        # programs empty, each a Python call in the interpreter); a smaller one is kept, as on the GPU
+        hint = min(hint, max(int((offs[1:] - offs[:-1]).max()) if offs.numel() > 1 else 1, 1))
+    q_blocks_max = max(1, -(-hint // tkv.block_m))
+    max_split = 4 if interpreting else MAX_SPLIT
+    chunk = 2 if interpreting else max(32, -(-q_blocks_max // max_split))
+    if q_blocks_max > chunk:
+        split = km.split_list(chunk, max_split)
+        n_workers = 3 if interpreting else _workers(q.device)
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    else:
+        split, n_workers, chunk = None, 0, _NEVER_SPLIT
+        dk, dv = _new_like(k), _new_like(v)
+    lists = dict(ITEM_KB=split.kb, ITEM_LO=split.lo, ITEM_HI=split.hi, NITEMS=split.n, item_cap=split.cap) if split \
+        else dict(ITEM_KB=km.ktab, ITEM_LO=km.ktab, ITEM_HI=km.ktab, NITEMS=km.ktab, item_cap=0)
+    grads = {"BIAS_GRAD": True} if bias is not None and bias.args.dpos.numel() else {}
+    for bias_kw in bias_passes(bias):
+        hstu_backward_dkdv_kernel[((n_workers + km.n_kblocks) * nheads,)](
+            **args, **tkv.launch(), **bias_kw, **grads, **lists,
+            DO=jagged(dout), DK=jagged(dk), DV=jagged(dv), KTAB=km.ktab, BOUNDS=km.bounds, QLO=km.qlo, QHI=km.qhi,
+            n_workers=n_workers, n_heads=nheads, plan_head=1 if vis.per_head() else 0, n_qblocks=km.n_qblocks,
+            n_kblocks=km.n_kblocks, chunk=chunk, dk_scale=alpha * scale, dv_scale=scale,
+        )
+    return dq, dk, dv
+
+
+# The modes as plain ints, converted once at import: a tl.constexpr does not compare under torch.compile's
+# tracing, and torch 2.11 cannot trace int() of one either.
+_MODE_FUNC, _MODE_CAUSAL, _MODE_FIXED = int(MODE_FUNC), int(MODE_CAUSAL), int(MODE_FIXED)
+
+
+def visibility(func=None, num_targets=None, causal_closed_form=False, contextual=0, window=0,
+               min_full=0, sparse: bool | None = None, max_seq_len: int = 0) -> Visibility:
+    """The kernels' mask description from triton_hstu_mha's mask arguments (num_targets made contiguous).
+
+    ``sparse`` None decides from the mask: a fixed-rule window of at most a quarter of ``max_seq_len`` (or any
+    window when ``max_seq_len`` is not given) is sparse; causal and funcs are not (a func's sparsity is only
+    known from its values, which are not read here: a plan says it, ``build_plan(sparse=True)``).
+    """
+    if num_targets is not None:
+        num_targets = num_targets.contiguous()
+    if func is not None:
+        mode = _MODE_FUNC
+    elif causal_closed_form:
+        mode = _MODE_CAUSAL
+    else:
+        mode = _MODE_FIXED
+    if sparse is None:
+        sparse = mode == _MODE_FIXED and window > 0 and (max_seq_len <= 0 or 4 * window <= max_seq_len)
+    return Visibility(mode, func, num_targets, contextual, window, min_full, bool(sparse))
