@@ -3,6 +3,9 @@ autograd.Function, and ``triton_hstu_mha``, the entry point; the launches are in
 
 from __future__ import annotations
 
+import inspect
+from collections import namedtuple
+
 import torch
 
 from ..._errors import bad_value
@@ -27,16 +30,39 @@ def _table_grads(pos_w, ts_w, timestamps, prep) -> tuple[torch.Tensor, torch.Ten
     return bias_tables.table_grads(RelativeBias(pos_w, ts_w, timestamps), prep)
 
 
-@torch.library.custom_op("flexhstu::hstu_mha_fwd", mutates_args=())
-def hstu_mha_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offsets: torch.Tensor,
-                 func: torch.Tensor | None, num_targets: torch.Tensor | None, attn_scale: torch.Tensor | None,
-                 mode: int, contextual: int, window: int, min_full: int, sparse: bool, alpha: float,
-                 out_scale: float, max_seq_len: int, pos_w: torch.Tensor | None = None,
-                 ts_w: torch.Tensor | None = None, timestamps: torch.Tensor | None = None) -> torch.Tensor:
+def _inputs_of(fn, name: str) -> type:
+    """A NamedTuple of ``fn``'s parameters in order (``ctx`` left out): autograd's per-input tuples
+    (``needs_input_grad``, the gradients returned) read and written by name, so a parameter added to ``fn``
+    moves no other one's place."""
+    return namedtuple(name, [p for p in inspect.signature(fn).parameters if p != "ctx"])
+
+
+def _needs_grad(inputs: type, ctx) -> tuple:
+    """``ctx.needs_input_grad`` as an ``inputs`` tuple (an ``_inputs_of`` tuple); the trailing inputs it lacks
+    need none (a custom op's dispatcher drops those equal to their defaults, the Nones of no bias)."""
+    needs = ctx.needs_input_grad
+    return inputs(*needs, *(False,) * (len(inputs._fields) - len(needs)))
+
+
+def _grads(inputs: type, **grads) -> tuple:
+    """One gradient per input of ``inputs`` (an ``_inputs_of`` tuple), in its order: those named, None for the
+    others; a name that is not an input raises."""
+    return tuple(inputs(**(dict.fromkeys(inputs._fields) | grads)))
+
+
+def _hstu_mha_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offsets: torch.Tensor,
+                  func: torch.Tensor | None, num_targets: torch.Tensor | None, attn_scale: torch.Tensor | None,
+                  mode: int, contextual: int, window: int, min_full: int, sparse: bool, alpha: float,
+                  out_scale: float, max_seq_len: int, pos_w: torch.Tensor | None = None,
+                  ts_w: torch.Tensor | None = None, timestamps: torch.Tensor | None = None) -> torch.Tensor:
     """``pos_w``, ``ts_w``, ``timestamps``: a relative bias (``flexhstu.ops.bias.RelativeBias``), or three Nones."""
     vis = Visibility(mode, func, num_targets, contextual, window, min_full, sparse)
     bias = _prepared(q, seq_offsets, pos_w, ts_w, timestamps, with_grads=False)
     return forward(q, k, v, seq_offsets, vis, alpha, out_scale, attn_scale, bias=bias)
+
+
+hstu_mha_fwd = torch.library.custom_op("flexhstu::hstu_mha_fwd", _hstu_mha_fwd, mutates_args=())
+_FwdInputs = _inputs_of(_hstu_mha_fwd, "_FwdInputs")
 
 
 @hstu_mha_fwd.register_fake
@@ -71,23 +97,24 @@ def _(dout, q, k, v, seq_offsets, func, num_targets, attn_scale, mode, contextua
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), *tables
 
 
-_NO_GRADS = (None,) * 12  # seq_offsets .. max_seq_len
-
-
 def _setup_context(ctx, inputs, output):
-    q, k, v, seq_offsets, func, num_targets, attn_scale, *rest = inputs
-    *rest, pos_w, ts_w, timestamps = rest
-    ctx.save_for_backward(q, k, v, seq_offsets, func, num_targets, attn_scale, pos_w, ts_w, timestamps)
-    ctx.rest = rest
+    # The optional tensors (None or a tensor) go through save_for_backward too; the ints, floats and bools
+    # are never None, so a None marks a tensor argument as surely as a tensor does.
+    inputs = _FwdInputs(*inputs)._asdict()
+    tensors = {name: x for name, x in inputs.items() if x is None or isinstance(x, torch.Tensor)}
+    ctx.save_for_backward(*tensors.values())
+    ctx.tensor_names = tuple(tensors)
+    ctx.rest = {name: x for name, x in inputs.items() if name not in tensors}
 
 
 def _backward(ctx, dout):
-    table_grads = ctx.saved_tensors[7] is not None and (ctx.needs_input_grad[15] or ctx.needs_input_grad[16])
-    dq, dk, dv, dpos, dts = hstu_mha_bwd(dout, *ctx.saved_tensors[:7], *ctx.rest, *ctx.saved_tensors[7:],
-                                         table_grads)
+    inputs = _FwdInputs(**dict(zip(ctx.tensor_names, ctx.saved_tensors)), **ctx.rest)
+    needs = _needs_grad(_FwdInputs, ctx)
+    table_grads = inputs.pos_w is not None and (needs.pos_w or needs.ts_w)
+    dq, dk, dv, dpos, dts = hstu_mha_bwd(dout, **inputs._asdict(), table_grads=table_grads)
     if not table_grads:
         dpos = dts = None
-    return dq, dk, dv, *_NO_GRADS, dpos, dts, None
+    return _grads(_FwdInputs, q=dq, k=dk, v=dv, pos_w=dpos, ts_w=dts)
 
 
 hstu_mha_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -112,15 +139,20 @@ class _HstuAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, offs, _, _, attn_scale = ctx.saved_tensors
         plan, alpha, out_scale, max_seq_len, tile_set, bias, tables = ctx.rest
-        table_grads = tables[0] is not None and (ctx.needs_input_grad[11] or ctx.needs_input_grad[12])
+        pos_w, ts_w, timestamps = tables
+        needs = _needs_grad(_EagerInputs, ctx)
+        table_grads = pos_w is not None and (needs.pos_w or needs.ts_w)
         if bias is not None and table_grads:
             bias = bias_tables.with_grad_buffers(bias)
         dq, dk, dv = backward(dout, q, k, v, offs, plan.vis, alpha, out_scale, max_seq_len, attn_scale, plan,
                               tile_set, bias)
         dpos = dts = None
         if table_grads:
-            dpos, dts = _table_grads(*tables, bias)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, dpos, dts, None
+            dpos, dts = _table_grads(pos_w, ts_w, timestamps, bias)
+        return _grads(_EagerInputs, q=dq, k=dk, v=dv, pos_w=dpos, ts_w=dts)
+
+
+_EagerInputs = _inputs_of(_HstuAttention.forward, "_EagerInputs")
 
 
 def _check_attn_scale(attn_scale: torch.Tensor, total: int, device: torch.device) -> None:
