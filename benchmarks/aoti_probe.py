@@ -31,8 +31,19 @@ from pathlib import Path
 
 import torch
 
-CASES = ("linear", "linear-cpu", "linear-single", "linear-legacy", "linear-runner", "linear-noconst", "constfree",
-         "pyop", "delta", "scorer-ref", "scorer")
+CASES = (
+    "linear",
+    "linear-cpu",
+    "linear-single",
+    "linear-legacy",
+    "linear-runner",
+    "linear-noconst",
+    "constfree",
+    "pyop",
+    "delta",
+    "scorer-ref",
+    "scorer",
+)
 
 
 @torch.library.custom_op("flexhstu_probe::scale_add", mutates_args=())
@@ -115,10 +126,19 @@ def run_case(case: str) -> int:
         else:
             with torch.fx.experimental._config.patch(backed_size_oblivious=True):
                 program = torch.export.export(module, args, dynamic_shapes=dynamic)
-        print(f"[{case}] exported; custom ops in the graph:",
-              sorted({str(n.target) for n in program.graph.nodes
-                      if n.op == "call_function" and "::" in str(getattr(n.target, "_name", ""))
-                      and not str(n.target).startswith("aten")}), flush=True)
+        print(
+            f"[{case}] exported; custom ops in the graph:",
+            sorted(
+                {
+                    str(n.target)
+                    for n in program.graph.nodes
+                    if n.op == "call_function"
+                    and "::" in str(getattr(n.target, "_name", ""))
+                    and not str(n.target).startswith("aten")
+                }
+            ),
+            flush=True,
+        )
         with tempfile.TemporaryDirectory() as folder:
             if case == "linear-legacy":
                 so = torch._inductor.aot_compile(program.module(), args)
@@ -128,7 +148,8 @@ def run_case(case: str) -> int:
             else:
                 configs = {"aot_inductor.package_constants_in_so": False} if case == "linear-noconst" else {}
                 path = torch._inductor.aoti_compile_and_package(
-                    program, package_path=str(Path(folder) / f"{case}.pt2"), inductor_configs=configs)
+                    program, package_path=str(Path(folder) / f"{case}.pt2"), inductor_configs=configs
+                )
                 print(f"[{case}] compiled: {path}", flush=True)
                 if case == "linear":
                     unpacked = Path(folder) / "unpacked"

@@ -109,8 +109,10 @@ def run(name: str, mask: str, args) -> dict:
             from flexhstu.ops.triton.config import Tile, tile_override
 
             for spec in args.tiles:
-                chosen = {part.split("=")[0]: Tile(*(int(x) for x in part.split("=")[1].split(",")))
-                          for part in spec.split("+")}
+                chosen = {
+                    part.split("=")[0]: Tile(*(int(x) for x in part.split("=")[1].split(",")))
+                    for part in spec.split("+")
+                }
                 with tile_override(**chosen):
                     fb()
                     row[f"bias_fwd_ms [{spec}]"], _ = median_ms(captured(fwd), args.repeats)
@@ -130,33 +132,47 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--only", default="", help="comma-separated name prefixes (causal, sla)")
     p.add_argument("--kernels", action="store_true", help="also per-kernel device times (torch.profiler)")
-    p.add_argument("--tiles", nargs="*", default=[], metavar="KERNEL=M,N,WARPS,STAGES[+...]",
-                   help="also time the calls with the bias under these tiles")
+    p.add_argument(
+        "--tiles",
+        nargs="*",
+        default=[],
+        metavar="KERNEL=M,N,WARPS,STAGES[+...]",
+        help="also time the calls with the bias under these tiles",
+    )
     p.add_argument("--json", default="")
     args = p.parse_args()
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
-    configs = [(f"causal B{args.batch} S{args.seq} H{args.heads} D{args.dim}", "causal"),
-               (f"sla 256/32 B{args.batch} S{args.seq} H{args.heads} D{args.dim}", "sla")]
+    configs = [
+        (f"causal B{args.batch} S{args.seq} H{args.heads} D{args.dim}", "causal"),
+        (f"sla 256/32 B{args.batch} S{args.seq} H{args.heads} D{args.dim}", "sla"),
+    ]
     if args.only:
         keep = tuple(x.strip() for x in args.only.split(","))
         configs = [c for c in configs if c[0].startswith(keep)]
     rows = []
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | bf16 | times {args.times}\n")
-    print("| config | fwd ms plain | fwd ms bias | fwd ratio | fwd+bwd ms plain | fwd+bwd ms bias | fwd+bwd ratio "
-          "| spread (max) | peak MiB plain | peak MiB bias |")
+    print(
+        "| config | fwd ms plain | fwd ms bias | fwd ratio | fwd+bwd ms plain | fwd+bwd ms bias | fwd+bwd ratio "
+        "| spread (max) | peak MiB plain | peak MiB bias |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name, mask in configs:
         r = run(name, mask, args)
         rows.append(r)
         spread = max(r[k] for k in r if k.endswith("_spread"))
-        print(f"| {name} | {r['plain_fwd_ms']:.3f} | {r['bias_fwd_ms']:.3f} | {r['fwd_ratio']:.2f} "
-              f"| {r['plain_fb_ms']:.3f} | {r['bias_fb_ms']:.3f} | {r['fb_ratio']:.2f} | {spread:.1%} "
-              f"| {r['plain_peak_mib']:.0f} | {r['bias_peak_mib']:.0f} |", flush=True)
+        print(
+            f"| {name} | {r['plain_fwd_ms']:.3f} | {r['bias_fwd_ms']:.3f} | {r['fwd_ratio']:.2f} "
+            f"| {r['plain_fb_ms']:.3f} | {r['bias_fb_ms']:.3f} | {r['fb_ratio']:.2f} | {spread:.1%} "
+            f"| {r['plain_peak_mib']:.0f} | {r['bias_peak_mib']:.0f} |",
+            flush=True,
+        )
         for spec in args.tiles:
-            print(f"    tiles {spec}: with bias fwd {r[f'bias_fwd_ms [{spec}]']:.3f} ms "
-                  f"({r['plain_fwd_ms'] / r[f'bias_fwd_ms [{spec}]']:.2f}), fwd+bwd {r[f'bias_fb_ms [{spec}]']:.3f} ms "
-                  f"({r['plain_fb_ms'] / r[f'bias_fb_ms [{spec}]']:.2f})")
+            print(
+                f"    tiles {spec}: with bias fwd {r[f'bias_fwd_ms [{spec}]']:.3f} ms "
+                f"({r['plain_fwd_ms'] / r[f'bias_fwd_ms [{spec}]']:.2f}), fwd+bwd {r[f'bias_fb_ms [{spec}]']:.3f} ms "
+                f"({r['plain_fb_ms'] / r[f'bias_fb_ms [{spec}]']:.2f})"
+            )
         if args.kernels:
             for label in ("plain", "bias"):
                 print(f"    {label}: " + ", ".join(f"{k} {us:.0f} us" for k, us in r[f"{label}_kernels_us"].items()))

@@ -38,16 +38,19 @@ def _replace(old: str, new: str):
         if old not in text:
             raise ValueError(f"bias_ablations: the source no longer holds {old.strip()[:60]!r}: update the edit")
         return text.replace(old, new)
+
     return edit
 
 
 def _cut(start: str, end: str | None):
     """Remove the text from ``start`` up to ``end`` (to the end of the file when None)."""
+
     def edit(text: str) -> str:
         if start not in text or (end is not None and end not in text):
             raise ValueError(f"bias_ablations: the source no longer holds {start.strip()[:60]!r}: update the edit")
         i = text.index(start)
-        return text[:i] + (text[text.index(end):] if end is not None else "")
+        return text[:i] + (text[text.index(end) :] if end is not None else "")
+
     return edit
 
 
@@ -56,21 +59,35 @@ def _both(*edits):
         for e in edits:
             text = e(text)
         return text
+
     return edit
 
 
 VARIANTS = {
     "no-grads": [(DKDV, _replace("            if BIAS_GRAD:\n", "            if False:\n"))],
     "no-pos-grad": [(BIAS, _cut(POS_GRAD, None))],  # bias_grad is the file's last function
-    "one-pos-atomic": [(BIAS, _replace(POS_ATOMIC, 'tl.atomic_add(dpos, tl.sum(tl.sum(diag, axis=1), axis=0), '
-                                                   'sem="relaxed")'))],
+    "one-pos-atomic": [
+        (BIAS, _replace(POS_ATOMIC, 'tl.atomic_add(dpos, tl.sum(tl.sum(diag, axis=1), axis=0), sem="relaxed")'))
+    ],
     "no-time-grad": [(BIAS, _cut(TIME_GRAD, POS_GRAD))],
-    "no-pos-add": [(BIAS, _both(
-        _replace("        s += tl.load(posw + (cols[:, None] - rows[None, :]))", "        s = s"),
-        _replace("        s += tl.load(posw + (cols[None, :] - rows[:, None]))", "        s = s")))],
-    "no-time-add": [(BIAS, _both(
-        _replace("s = _add_wide_time_steps(s, tsw, bias, seq_start, L, rows, cols, TRANS)", "s = s"),
-        _replace("s = _add_time_steps(s, tsw, bias, ai, bi, d, b_lo, b_hi, TRANS)", "s = s")))],
+    "no-pos-add": [
+        (
+            BIAS,
+            _both(
+                _replace("        s += tl.load(posw + (cols[:, None] - rows[None, :]))", "        s = s"),
+                _replace("        s += tl.load(posw + (cols[None, :] - rows[:, None]))", "        s = s"),
+            ),
+        )
+    ],
+    "no-time-add": [
+        (
+            BIAS,
+            _both(
+                _replace("s = _add_wide_time_steps(s, tsw, bias, seq_start, L, rows, cols, TRANS)", "s = s"),
+                _replace("s = _add_time_steps(s, tsw, bias, ai, bi, d, b_lo, b_hi, TRANS)", "s = s"),
+            ),
+        )
+    ],
 }
 
 
@@ -106,8 +123,17 @@ def main() -> int:
     results = {}
     for name, path in made.items():
         js = out / f"ablation-{name}.json"
-        cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_bias.py"), "--only", a.only, "--repeats",
-               str(a.repeats), "--kernels", "--json", str(js)]
+        cmd = [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_bias.py"),
+            "--only",
+            a.only,
+            "--repeats",
+            str(a.repeats),
+            "--kernels",
+            "--json",
+            str(js),
+        ]
         env = {**os.environ, "PYTHONPATH": str(path)}
         with open(out / f"ablation-{name}.log", "w") as log:
             rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode
@@ -117,8 +143,10 @@ def main() -> int:
     for name, rows in results.items():
         for r in rows or [{"name": "failed: see its log"}]:
             kernels = ", ".join(f"{k.split('(')[0][:32]} {v:.0f}" for k, v in r.get("bias_kernels_us", {}).items())
-            print(f"| {name} | {r['name']} | {r.get('bias_fwd_ms', float('nan')):.3f} "
-                  f"| {r.get('bias_fb_ms', float('nan')):.3f} | {kernels} |")
+            print(
+                f"| {name} | {r['name']} | {r.get('bias_fwd_ms', float('nan')):.3f} "
+                f"| {r.get('bias_fb_ms', float('nan')):.3f} | {kernels} |"
+            )
     return 0
 
 

@@ -40,8 +40,9 @@ def paths(model, setup, users: int, hist: int, cands: int, micro_batch: int):
         model.cache_histories(cache, names, *histories)
     return {
         "full": functools.partial(model, *histories, cand_items, cand_offsets, max_seq_len=max_seq_len),
-        f"cached {micro_batch}": functools.partial(model.score_cached, cache, names, cand_items, cand_offsets,
-                                                   micro_batch=micro_batch),
+        f"cached {micro_batch}": functools.partial(
+            model.score_cached, cache, names, cand_items, cand_offsets, micro_batch=micro_batch
+        ),
         "cached all": functools.partial(model.score_cached, cache, names, cand_items, cand_offsets),
     }
 
@@ -60,8 +61,16 @@ def main() -> None:
     cuda = a.device == "cuda"
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    setup = bs.Setup(device=torch.device(a.device), dtype=torch.bfloat16, dim=a.dim, heads=4, samples=10, warmup=3,
-                     backend=Kernel.TRITON if cuda else Kernel.PYTORCH, seed=0)
+    setup = bs.Setup(
+        device=torch.device(a.device),
+        dtype=torch.bfloat16,
+        dim=a.dim,
+        heads=4,
+        samples=10,
+        warmup=3,
+        backend=Kernel.TRITON if cuda else Kernel.PYTORCH,
+        seed=0,
+    )
     model = bs.build_model(setup, layers=a.layers, max_hist=a.hist)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -84,8 +93,10 @@ def main() -> None:
             waits = {e.key: (e.count, e.cpu_time_total / 1e3) for e in events if e.key in WAITS}
             kernels = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
             print(f"\n## {name}: {wall:.2f} ms per request (wall, 5 requests), {kernels} device ops in one")
-            print("host calls that can wait on the device (count, ms): "
-                  + ", ".join(f"{k} {c} {t:.2f}" for k, (c, t) in waits.items()))
+            print(
+                "host calls that can wait on the device (count, ms): "
+                + ", ".join(f"{k} {c} {t:.2f}" for k, (c, t) in waits.items())
+            )
             print(events.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
             if cuda:
                 print(events.table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))

@@ -39,8 +39,10 @@ def main() -> None:
     rows.sort(key=lambda r: -r[1])
     attn = sum(t for k, t, _ in rows if "hstu_" in k or "_plan_kernel" in k or "_block_table" in k)
     total = sum(t for _, t, _ in rows)
-    print(f"STU step, {a.mask}: device total {total / 1e3:.2f} ms, attention kernels {attn / 1e3:.2f} ms, "
-          f"layer body {(total - attn) / 1e3:.2f} ms")
+    print(
+        f"STU step, {a.mask}: device total {total / 1e3:.2f} ms, attention kernels {attn / 1e3:.2f} ms, "
+        f"layer body {(total - attn) / 1e3:.2f} ms"
+    )
     for key, t, n in rows[:18]:
         print(f"  {t / 1e3:8.3f} ms  x{n:<3} {key[:90]}")
 

@@ -108,8 +108,13 @@ def kernel_times(fb, iters=5) -> dict[str, float]:
         if e.device_time_total <= 0:
             continue
         name = e.key
-        for short in ("hstu_forward_kernel", "hstu_backward_dq_kernel", "hstu_backward_dkdv_kernel", "_plan_kernel",
-                      "_block_table_kernel"):
+        for short in (
+            "hstu_forward_kernel",
+            "hstu_backward_dq_kernel",
+            "hstu_backward_dkdv_kernel",
+            "_plan_kernel",
+            "_block_table_kernel",
+        ):
             if short in name:
                 name = short
                 break
@@ -140,7 +145,7 @@ def main() -> int:
     pairs = [(c, t) for c in configs for t in tsets]
     if a.jobs > 0:
         t0 = time.perf_counter()
-        chunks = [pairs[i::a.jobs] for i in range(a.jobs)]
+        chunks = [pairs[i :: a.jobs] for i in range(a.jobs)]
         ctx = mp.get_context("spawn")
         procs = [ctx.Process(target=_warm, args=(ch,)) for ch in chunks if ch]
         for pr in procs:
@@ -171,10 +176,13 @@ def main() -> int:
             continue
         row = dict(config=cname, tiles=tset, first_s=first, graph_fb_ms=total, rel_err_vs_first_tiles=err, **kt)
         rows.append(row)
-        print(f"{cname:22} {tset:8} graph fwd+bwd {total:7.3f} ms | fwd {kt.get('hstu_forward_kernel', 0):7.1f} "
-              f"dq {kt.get('hstu_backward_dq_kernel', 0):7.1f} dkdv {kt.get('hstu_backward_dkdv_kernel', 0):7.1f} "
-              f"plan {kt.get('_plan_kernel', 0):5.1f} tab {kt.get('_block_table_kernel', 0):5.1f} "
-              f"other {kt.get('other', 0):6.1f} us | first {first:.1f} s | grads vs first tiles {err:.1e}", flush=True)
+        print(
+            f"{cname:22} {tset:8} graph fwd+bwd {total:7.3f} ms | fwd {kt.get('hstu_forward_kernel', 0):7.1f} "
+            f"dq {kt.get('hstu_backward_dq_kernel', 0):7.1f} dkdv {kt.get('hstu_backward_dkdv_kernel', 0):7.1f} "
+            f"plan {kt.get('_plan_kernel', 0):5.1f} tab {kt.get('_block_table_kernel', 0):5.1f} "
+            f"other {kt.get('other', 0):6.1f} us | first {first:.1f} s | grads vs first tiles {err:.1e}",
+            flush=True,
+        )
         if a.json:
             with open(a.json, "w") as fh:
                 json.dump(rows, fh, indent=1)

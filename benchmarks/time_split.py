@@ -35,8 +35,7 @@ def profile_config(name, lengths, kw):
         kw = {"attn_func": masks.sla(offs, 256, 32)}
     elif kw == "targets":
         kw = {"num_targets": torch.full((len(lengths),), 256, device="cuda")}
-    q, k, v = (torch.randn(total, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-               for _ in range(3))
+    q, k, v = (torch.randn(total, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     do = torch.randn_like(q)
 
     def fwd():
@@ -74,6 +73,7 @@ def profile_config(name, lengths, kw):
     rows = [(e.key, e.device_time_total / 5, e.count / 5) for e in prof.key_averages()]
     for key, us, cnt in sorted(rows, key=lambda r: -r[1])[:8]:
         print(f"   {us:9.1f} us  x{cnt:.0f}  {key[:70]}")
+
 
 if __name__ == "__main__":
     main()

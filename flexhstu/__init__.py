@@ -7,6 +7,13 @@ from .ops.delta import delta_hstu_mha, last_rows_offsets
 
 __version__ = "0.1.0"
 __all__ = [
-    "HSTU_ARBITRARY_NFUNC", "AttnPlan", "Kernel", "__version__", "build_plan", "delta_hstu_mha", "hstu_mha",
-    "last_rows_offsets", "masks",
+    "HSTU_ARBITRARY_NFUNC",
+    "AttnPlan",
+    "Kernel",
+    "__version__",
+    "build_plan",
+    "delta_hstu_mha",
+    "hstu_mha",
+    "last_rows_offsets",
+    "masks",
 ]

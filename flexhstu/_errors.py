@@ -48,7 +48,7 @@ def as_alpha(value: object, dim_qk: int) -> float:
     if value is None:
         if dim_qk == 0:
             raise bad_value("alpha", "a number when the head dim Dqk is 0 (None means 1 / sqrt(Dqk))", None)
-        return dim_qk ** -0.5
+        return dim_qk**-0.5
     out = as_finite("alpha", value)
     if abs(out) > FLOAT32_MAX:
         raise bad_value("alpha", f"a number float32 holds (|alpha| <= {FLOAT32_MAX:.4g})", out)
@@ -78,8 +78,11 @@ def as_scaling(arg: str, value: object) -> float:
     out = as_finite(arg, value)
     lo, hi = SCALING_RANGE
     if out > 0 and not lo <= out <= hi:
-        raise bad_value(arg, f"<= 0 (the default) or a scale from {lo:g} to {hi:g} (its reciprocal scales the output "
-                        "in float32)", f"{out:g}")
+        raise bad_value(
+            arg,
+            f"<= 0 (the default) or a scale from {lo:g} to {hi:g} (its reciprocal scales the output in float32)",
+            f"{out:g}",
+        )
     return out
 
 

@@ -110,7 +110,7 @@ def _remove_orphans(path: Path) -> None:
     Files of live writers (another process saving to the same folder) are left alone.
     """
     for tmp in path.parent.glob(f".{path.name}.*.tmp"):
-        pid = tmp.name[len(path.name) + 2:].split(".", 1)[0]
+        pid = tmp.name[len(path.name) + 2 :].split(".", 1)[0]
         if not pid.isdigit() or _alive(int(pid)):
             continue
         tmp.unlink(missing_ok=True)  # another writer may have removed it first
@@ -135,16 +135,26 @@ def load(path: str | os.PathLike, map_location=None) -> dict:
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     # A foreign file can trip the weights-only unpickler anywhere (IndexError "pop from empty list" on a CSV).
-    except (EOFError, RuntimeError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError, IndexError, KeyError,
-            TypeError, AttributeError) as e:
+    except (
+        EOFError,
+        RuntimeError,
+        pickle.UnpicklingError,
+        zipfile.BadZipFile,
+        ValueError,
+        IndexError,
+        KeyError,
+        TypeError,
+        AttributeError,
+    ) as e:
         first = str(e).strip().split(". ")[0].splitlines()[0][:100] if str(e).strip() else ""
         reason = f"{type(e).__name__}: {first}" if first else type(e).__name__
         raise ValueError(f"{path}: not a complete flexhstu checkpoint ({reason})") from e
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ValueError(f"{path}: not a complete flexhstu checkpoint (no '{FORMAT}' marker)")
     if state.get("version") != VERSION:
-        raise ValueError(f"{path}: expected a flexhstu checkpoint of version {VERSION}, got version "
-                         f"{state.get('version')}")
+        raise ValueError(
+            f"{path}: expected a flexhstu checkpoint of version {VERSION}, got version {state.get('version')}"
+        )
     return state
 
 
@@ -226,8 +236,10 @@ def load_sharded(folder: str | os.PathLike, model: torch.nn.Module, opt: torch.o
 
     folder = Path(folder)
     if not (folder / ".metadata").is_file():
-        raise ValueError(f"{folder}: expected a complete sharded checkpoint (torch.distributed.checkpoint "
-                         "folder with .metadata), got " + ("an incomplete folder" if folder.is_dir() else "no folder"))
+        raise ValueError(
+            f"{folder}: expected a complete sharded checkpoint (torch.distributed.checkpoint "
+            "folder with .metadata), got " + ("an incomplete folder" if folder.is_dir() else "no folder")
+        )
     state = _state(model, opt)
     try:
         with _single_process_ok():

@@ -80,7 +80,7 @@ def init_rows(out: torch.Tensor, start: int, seed: int, std: float) -> torch.Ten
         g = torch.Generator().manual_seed(_block_seed(seed, block))
         values = torch.empty(INIT_BLOCK_ROWS, dim).normal_(0.0, std, generator=g)
         lo, hi = max(b0, start), min(b0 + INIT_BLOCK_ROWS, start + n)
-        out[lo - start:hi - start].copy_(values[lo - b0:hi - b0])
+        out[lo - start : hi - start].copy_(values[lo - b0 : hi - b0])
 
     workers = max(1, min(last - first + 1, (os.cpu_count() or 1) // local_world_size()))
     with torch.no_grad():
@@ -101,8 +101,16 @@ class ItemTable(nn.Module):
     up as the module docstring says) or ``"fsdp"`` (made whole, then ``fully_shard`` over ``mesh``; build it
     with ``item_table``). Row 0 is padding: it never gets a gradient from a lookup."""
 
-    def __init__(self, num_rows: int, dim: int, *, seed: int = 0, mode: str = "whole", mesh=None,
-                 device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        num_rows: int,
+        dim: int,
+        *,
+        seed: int = 0,
+        mode: str = "whole",
+        mesh=None,
+        device: torch.device | str = "cpu",
+    ):
         super().__init__()
         self.num_rows, self.dim = as_int("num_rows", num_rows, 1), as_int("dim", dim, 1)
         if mode not in ("whole", "rowwise", "fsdp"):
@@ -119,8 +127,7 @@ class ItemTable(nn.Module):
         if mode == "rowwise":
             from torch.distributed.tensor import DTensor, Shard
 
-            local = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(num_rows, dim),
-                                       stride=(dim, 1))
+            local = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(num_rows, dim), stride=(dim, 1))
         self.weight = nn.Parameter(local)
 
     @property
@@ -160,7 +167,7 @@ class ItemTable(nn.Module):
         dist.all_gather(counts, count, group=group)
         width = int(torch.cat(counts).max())  # every rank sends this many ids (padded with 0)
         padded = flat.new_zeros(width)
-        padded[:flat.numel()] = flat
+        padded[: flat.numel()] = flat
         every = [torch.empty_like(padded) for _ in range(world)]
         dist.all_gather(every, padded, group=group)
         wanted = torch.cat(every)  # (world * width,): rank r's ids at [r * width, r * width + count_r)
@@ -174,7 +181,7 @@ class ItemTable(nn.Module):
         # the ranks' partial rows summed, and rank r's block of `width` rows returned to it: a reduce-scatter,
         # whose backward (an all-gather of the row gradients) brings each gradient to the rank that owns the row
         out = DTensor.from_local(rows, self.mesh, [Partial()], run_check=False)
-        out = out.redistribute(self.mesh, [Shard(0)]).to_local()[:flat.numel()]
+        out = out.redistribute(self.mesh, [Shard(0)]).to_local()[: flat.numel()]
         if out.requires_grad and world > 1:
             out.register_hook(lambda g: g / world)  # the owner sums every rank's gradient; DDP's mean is 1/world
         return out.reshape(*ids.shape, self.dim)
@@ -254,13 +261,16 @@ def check_table_memory(num_rows: int, dim: int, sharding: str, world: int, free:
     fix = ""
     if sharding != "rowwise" or world < ranks:
         fix = f"; shard it with --shard-embeddings rowwise over {max(ranks, 2)} or more ranks with this much memory"
-    raise bad_value(f"--shard-embeddings {sharding}",
-                    f"an item table that fits: {num_rows:,} x {dim} float32 with its gradient and AdamW's two "
-                    f"moments needs {need / 1e9:.1f} GB per rank on {world} rank{'s' * (world > 1)}",
-                    f"{free / 1e9:.1f} GB free on {where}{fix}")
+    raise bad_value(
+        f"--shard-embeddings {sharding}",
+        f"an item table that fits: {num_rows:,} x {dim} float32 with its gradient and AdamW's two "
+        f"moments needs {need / 1e9:.1f} GB per rank on {world} rank{'s' * (world > 1)}",
+        f"{free / 1e9:.1f} GB free on {where}{fix}",
+    )
 
 
 # --- optimisation and evaluation -----------------------------------------------------------------------------
+
 
 def clip_grad_norm_(params, max_norm: float, group=None) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for a model whose parameters are partly sharded DTensors: the norm
@@ -289,8 +299,9 @@ def clip_grad_norm_(params, max_norm: float, group=None) -> torch.Tensor:
 
 
 @torch.no_grad()
-def sharded_ranks(model: nn.Module, batch, targets: list[int], seen: list[np.ndarray],
-                  chunk_elements: int = 2**26) -> list[int]:
+def sharded_ranks(
+    model: nn.Module, batch, targets: list[int], seen: list[np.ndarray], chunk_elements: int = 2**26
+) -> list[int]:
     """0-based full-corpus rank of each target (as ``metrics.target_rank``) for a model whose item table is
     sharded: every rank scores its rows in chunks of ``chunk_elements`` scores, counts the items above the
     target, and the counts are summed over the ranks. The padding item 0, the target and the user's
@@ -301,8 +312,10 @@ def sharded_ranks(model: nn.Module, batch, targets: list[int], seen: list[np.nda
     tgt = torch.tensor(targets, dtype=torch.int64, device=h.device)
     target_score = (h * F.normalize(table(tgt), dim=-1)).sum(-1)
     local, (start, end) = table.local_weight(), table.row_range()
-    pairs = [(b, np.unique(np.concatenate([np.asarray(s, dtype=np.int64), [0, t]]))) for b, (s, t) in
-             enumerate(zip(seen, targets))]
+    pairs = [
+        (b, np.unique(np.concatenate([np.asarray(s, dtype=np.int64), [0, t]])))
+        for b, (s, t) in enumerate(zip(seen, targets))
+    ]
     ex_rows = torch.from_numpy(np.concatenate([np.full(len(c), b) for b, c in pairs])).to(h.device)
     ex_cols = torch.from_numpy(np.concatenate([c for _, c in pairs])).to(h.device)
     keep = (ex_cols >= start) & (ex_cols < end)
@@ -310,7 +323,7 @@ def sharded_ranks(model: nn.Module, batch, targets: list[int], seen: list[np.nda
     above = torch.zeros(len(targets), dtype=torch.int64, device=h.device)
     step = max(1, chunk_elements // max(1, len(targets)))
     for c0 in range(0, end - start, step):
-        scores = h @ F.normalize(local[c0:c0 + step], dim=-1).T
+        scores = h @ F.normalize(local[c0 : c0 + step], dim=-1).T
         here = (ex_cols >= c0) & (ex_cols < c0 + scores.shape[1])
         scores[ex_rows[here], ex_cols[here] - c0] = -math.inf
         above += ((scores > target_score[:, None]) | scores.isnan()).sum(1)

@@ -59,7 +59,7 @@ def auc(scores: np.ndarray, labels: np.ndarray) -> float:
         j = i
         while j + 1 < len(s) and s[j + 1] == s[i]:
             j += 1
-        ranks[order[i:j + 1]] = (i + j) / 2 + 1
+        ranks[order[i : j + 1]] = (i + j) / 2 + 1
         i = j + 1
     return float((ranks[pos].sum() - pos.sum() * (pos.sum() + 1) / 2) / (pos.sum() * neg.sum()))
 
@@ -117,8 +117,10 @@ def parse_metrics(text: str | None, task: str) -> list[str]:
         base, _, cut = name.partition("@")
         shape = f"{base}@K" if cut else base
         if shape not in allowed or (cut and not (cut.isdigit() and int(cut) >= 1)):
-            raise ValueError(f"--metrics: expected names from {', '.join(allowed)} (K an integer >= 1) for "
-                             f"{task}, got '{raw.strip()}'")
+            raise ValueError(
+                f"--metrics: expected names from {', '.join(allowed)} (K an integer >= 1) for "
+                f"{task}, got '{raw.strip()}'"
+            )
         if name not in names:
             names.append(name)
     return names

@@ -56,8 +56,10 @@ class Recommender:
         checkpoint.require(state, path, "config", "best")
         config = saved_config(state, path)
         if "item_ids" not in state:
-            raise ValueError(f"{path}: expected a checkpoint that records the data's ids (written by this flexhstu "
-                             "version); train the run again")
+            raise ValueError(
+                f"{path}: expected a checkpoint that records the data's ids (written by this flexhstu "
+                "version); train the run again"
+            )
         source = data or config["data"]
         if source == "synthetic":  # the run's sizes, not load's defaults
             sizes = [config.get(k) or default for k, default in SYNTHETIC_DEFAULTS.items()]  # users, items, length
@@ -65,19 +67,28 @@ class Recommender:
         else:
             loaded = load(source, columns=config.get("columns"))
         if len(loaded) != config["data_rows"] or loaded.num_items != config["num_items"]:
-            why = (f"; the file holds {loaded.duplicates} duplicate events, which this flexhstu drops and the run "
-                   "(an older flexhstu) trained on" if len(loaded) + loaded.duplicates == config["data_rows"] and
-                   loaded.duplicates else "")
-            raise ValueError(f"--data {source}: expected the run's data ({config['data_rows']} events, "
-                             f"{config['num_items']} items), got {len(loaded)} events, {loaded.num_items} items{why}")
+            why = (
+                f"; the file holds {loaded.duplicates} duplicate events, which this flexhstu drops and the run "
+                "(an older flexhstu) trained on"
+                if len(loaded) + loaded.duplicates == config["data_rows"] and loaded.duplicates
+                else ""
+            )
+            raise ValueError(
+                f"--data {source}: expected the run's data ({config['data_rows']} events, "
+                f"{config['num_items']} items), got {len(loaded)} events, {loaded.num_items} items{why}"
+            )
         if source != "synthetic" and config.get("data_digest") not in (None, data_digest(loaded)):
-            raise ValueError(f"--data {source}: expected the run's data, got other contents of the same size (its "
-                             "events or ids differ from those the run trained on)")
+            raise ValueError(
+                f"--data {source}: expected the run's data, got other contents of the same size (its "
+                "events or ids differ from those the run trained on)"
+            )
         try:
             model = build_model(ModelConfig.from_settings(config), config["num_items"]).to(device)
         except (TypeError, ValueError) as e:  # a setting of the wrong kind (every key is there: saved_config)
-            raise ValueError(f"{path}: not a complete flexhstu run checkpoint (its configuration does not build "
-                             f"the run's model: {e})") from e
+            raise ValueError(
+                f"{path}: not a complete flexhstu run checkpoint (its configuration does not build "
+                f"the run's model: {e})"
+            ) from e
         best = state["best"]
         if best.get("dir"):  # a run with sharded embeddings: its best weights are a sharded folder beside the file
             checkpoint.load_sharded(path.parent / best["dir"], model)
@@ -101,16 +112,18 @@ class Recommender:
         return np.array([self.item_index[str(c)] for c in candidates], dtype=np.int64)
 
     @torch.no_grad()
-    def recommend(self, users: list, k: int = 10, *, candidates: list | None = None,
-                  include_seen: bool = False) -> list[Recommendation]:
+    def recommend(
+        self, users: list, k: int = 10, *, candidates: list | None = None, include_seen: bool = False
+    ) -> list[Recommendation]:
         """Top ``k`` items for each of ``users`` (the data file's ids), among ``candidates`` (ids) if given (a
         ranking model needs them): given candidates are all ranked, seen or not; without them the whole catalogue
         is, less the items a user has seen unless ``include_seen``. A repeated user or candidate counts once."""
         if not users:
             raise ValueError("--users: expected at least one user id, got none")
         if self.ranking and not candidates:
-            raise ValueError("--candidates: expected the items to score (a ranking model scores given candidates), "
-                             "got none")
+            raise ValueError(
+                "--candidates: expected the items to score (a ranking model scores given candidates), got none"
+            )
         cand = self._candidates(candidates) if candidates else None
         return [self._one(user, k, cand, include_seen) for user in _distinct(users)]  # a repeated user: one answer
 
@@ -142,8 +155,10 @@ def _check_finite(scores: torch.Tensor, user) -> None:
     catalogue's own order, printed with NaN scores as if it were an answer."""
     bad = scores[~torch.isfinite(scores)]
     if len(bad):
-        raise ValueError(f"--checkpoint: expected a model whose scores are finite, got {float(bad[0])} scores for "
-                         f"user {user} (its run diverged: train it again with a lower --lr)")
+        raise ValueError(
+            f"--checkpoint: expected a model whose scores are finite, got {float(bad[0])} scores for "
+            f"user {user} (its run diverged: train it again with a lower --lr)"
+        )
 
 
 def _distinct(ids: list) -> list:
@@ -160,15 +175,28 @@ DEFAULT_K = 10  # items per user without --k and --candidates
 def build_parser() -> Parser:
     p = Parser(prog="flexhstu recommend", description="Top-K items per user from a trained run, in the data's ids.")
     p.add_argument("--checkpoint", default="runs/latest/checkpoint.pt", help="the run's checkpoint.pt")
-    p.add_argument("--users", required=True,
-                   help="comma-separated user ids of the run's data, e.g. 1,2,3 (an id with a comma in double "
-                        "quotes: '\"a,b\",c')")
-    p.add_argument("--k", type=positive_int, default=None,
-                   help=f"items per user (not given: {DEFAULT_K}, or every candidate with --candidates)")
-    p.add_argument("--candidates", default=None,
-                   help="comma-separated item ids to rank (required for a ranking model; else the whole catalogue)")
-    p.add_argument("--include-seen", action="store_true",
-                   help="without --candidates: keep items the user has already seen (given candidates are all ranked)")
+    p.add_argument(
+        "--users",
+        required=True,
+        help="comma-separated user ids of the run's data, e.g. 1,2,3 (an id with a comma in double "
+        "quotes: '\"a,b\",c')",
+    )
+    p.add_argument(
+        "--k",
+        type=positive_int,
+        default=None,
+        help=f"items per user (not given: {DEFAULT_K}, or every candidate with --candidates)",
+    )
+    p.add_argument(
+        "--candidates",
+        default=None,
+        help="comma-separated item ids to rank (required for a ranking model; else the whole catalogue)",
+    )
+    p.add_argument(
+        "--include-seen",
+        action="store_true",
+        help="without --candidates: keep items the user has already seen (given candidates are all ranked)",
+    )
     p.add_argument("--data", default=None, help="the run's data file, if it moved since training")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     p.add_argument("--debug", action="store_true", help="show the traceback of an input error")
@@ -182,8 +210,10 @@ def _ids(text: str | None, arg: str) -> list[str] | None:
     try:
         ids = next(csv.reader([text], skipinitialspace=True, strict=True))
     except csv.Error:
-        raise ValueError(f"{arg}: expected comma-separated ids (one holding a comma in double quotes), got {text!r} "
-                         "(a quote is not closed)") from None
+        raise ValueError(
+            f"{arg}: expected comma-separated ids (one holding a comma in double quotes), got {text!r} "
+            "(a quote is not closed)"
+        ) from None
     return [x.strip() for x in ids if x.strip()]
 
 
@@ -207,8 +237,10 @@ def cli(argv=None) -> int:
             print(f"user {r.user}: " + ", ".join(f"{i} ({s})" for i, s in zip(r.items, scores)))
             if a.k is not None and len(r.items) < a.k:  # fewer than --k exist: all are listed, and the user is told
                 pool = "candidates" if candidates else "items" if a.include_seen else "unseen items"
-                print(f"flexhstu recommend: --k {a.k}: user {r.user} has only {len(r.items)} {pool}; all are listed",
-                      file=sys.stderr)
+                print(
+                    f"flexhstu recommend: --k {a.k}: user {r.user} has only {len(r.items)} {pool}; all are listed",
+                    file=sys.stderr,
+                )
         return 0
 
     return run("flexhstu recommend", command, a.debug)

@@ -22,15 +22,18 @@ SHOWN = 6000  # characters of each stream in a failure message
 def run_child(cmd: list[str], *, timeout: float = TIMEOUT, **kwargs) -> subprocess.CompletedProcess:
     """``cmd`` run to its end (stdout and stderr captured as text); ``pytest.fail`` with its output if it runs past
     ``timeout`` seconds. ``kwargs`` go to ``subprocess.Popen`` (env, preexec_fn, ...)."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            **kwargs)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **kwargs
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # the session: a launcher's workers too, which would hold the pipes
         out, err = proc.communicate()
-        pytest.fail(f"ran past {timeout} s and was killed: {shown(subprocess.CompletedProcess(cmd, None, out, err))}",
-                    pytrace=False)
+        pytest.fail(
+            f"ran past {timeout} s and was killed: {shown(subprocess.CompletedProcess(cmd, None, out, err))}",
+            pytrace=False,
+        )
     except BaseException:  # Ctrl-C reaches the test's process group only: the child's session goes too
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
@@ -41,8 +44,10 @@ def run_child(cmd: list[str], *, timeout: float = TIMEOUT, **kwargs) -> subproce
 def shown(done: subprocess.CompletedProcess) -> str:
     """The command, its exit status and the end of its output, for an assertion message."""
     cmd = shlex.join(str(x) for x in done.args)
-    return (f"{cmd}\nexit status {done.returncode}\n--- stdout (end) ---\n{(done.stdout or '')[-SHOWN:]}"
-            f"\n--- stderr (end) ---\n{(done.stderr or '')[-SHOWN:]}")
+    return (
+        f"{cmd}\nexit status {done.returncode}\n--- stdout (end) ---\n{(done.stdout or '')[-SHOWN:]}"
+        f"\n--- stderr (end) ---\n{(done.stderr or '')[-SHOWN:]}"
+    )
 
 
 def check_child(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:

@@ -22,8 +22,10 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 def _skipped_for_the_interpreter(item: pytest.Item) -> bool:
     """Whether ``item`` carries a true skipif whose reason is the missing ``TRITON_INTERPRET=1``."""
-    return any(mark.args and mark.args[0] is True and "TRITON_INTERPRET" in mark.kwargs.get("reason", "")
-               for mark in item.iter_markers(name="skipif"))
+    return any(
+        mark.args and mark.args[0] is True and "TRITON_INTERPRET" in mark.kwargs.get("reason", "")
+        for mark in item.iter_markers(name="skipif")
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -39,4 +41,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if kernel_tests:
         raise pytest.UsageError(
             f"no CUDA device and TRITON_INTERPRET is not 1: {len(kernel_tests)} Triton kernel test(s) would be "
-            "skipped; run `TRITON_INTERPRET=1 python -m pytest ...` (the README's test command sets it)")
+            "skipped; run `TRITON_INTERPRET=1 python -m pytest ...` (the README's test command sets it)"
+        )

@@ -57,8 +57,10 @@ def tables(groups: dict[tuple[str, str], list[dict]]) -> str:
     if retrieval:
         lines += ["| model | data | epochs | seeds | test HR@10 | test NDCG@10 |", "|---|---|---|---|---|---|"]
         for label, runs in retrieval.items():
-            lines.append(f"| {label} | {len(runs)} | {mean_std([r['HR@10'] for r in runs])} | "
-                         f"{mean_std([r['NDCG@10'] for r in runs])} |")
+            lines.append(
+                f"| {label} | {len(runs)} | {mean_std([r['HR@10'] for r in runs])} | "
+                f"{mean_std([r['NDCG@10'] for r in runs])} |"
+            )
     if ranking:
         header = "| model | data | epochs | seeds | " + " | ".join(f"test AUC {t}" for t in TASKS) + " |"
         lines += ["" if lines else None, header, "|---|---|---|---|" + "---|" * len(TASKS)]
@@ -79,8 +81,10 @@ def main(argv: list[str]) -> int:
         return 2
     groups = collect(argv)
     if not groups:
-        print(f"models_table: error: no complete run (metrics.json with test metrics) under {' '.join(argv)}",
-              file=sys.stderr)
+        print(
+            f"models_table: error: no complete run (metrics.json with test metrics) under {' '.join(argv)}",
+            file=sys.stderr,
+        )
         return 2
     print(tables(groups))
     return 0

@@ -151,8 +151,9 @@ def _flex(case: Case, func: torch.Tensor, dtype, timing: dict, row: Row) -> None
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     b, n, h, d = len(case.lengths), case.lengths[0], case.heads, case.dim
-    block_mask = create_block_mask(_flex_mask_mod(case, func, n), b, h if func.shape[0] > 1 else None, n, n,
-                                   device="cuda", _compile=True)  # compiled: no dense (B, H, N, N) mask
+    block_mask = create_block_mask(
+        _flex_mask_mod(case, func, n), b, h if func.shape[0] > 1 else None, n, n, device="cuda", _compile=True
+    )  # compiled: no dense (B, H, N, N) mask
     compiled = torch.compile(flex_attention)
     qs, ks, vs = (torch.randn(b, h, n, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
     ds = torch.randn(b, h, n, d, device="cuda", dtype=dtype)
@@ -188,8 +189,9 @@ def _sdpa(case: Case, dtype, timing: dict, row: Row) -> None:
     row.sdpa = {"eager_fwd": timing(fwd), "eager_fb": timing(fb), "graph_fb": timing(captured(fb))}
 
 
-def run_case(case: Case, *, repeats: int = 3, warmup: int = 10, rep: int = 40, flex: bool = True,
-             dtype=torch.bfloat16) -> Row:
+def run_case(
+    case: Case, *, repeats: int = 3, warmup: int = 10, rep: int = 40, flex: bool = True, dtype=torch.bfloat16
+) -> Row:
     torch.manual_seed(0)
     offs = offsets_from_lengths(case.lengths, device="cuda")
     total, n, h, d = sum(case.lengths), max(case.lengths), case.heads, case.dim
@@ -215,8 +217,12 @@ def run_case(case: Case, *, repeats: int = 3, warmup: int = 10, rep: int = 40, f
     fb()
     torch.cuda.synchronize()
     row.first_call_s = time.perf_counter() - t0
-    row.ours = {"eager_fwd": timing(fwd), "eager_fb": timing(fb), "graph_fwd": timing(captured(fwd)),
-                "graph_fb": timing(captured(fb))}
+    row.ours = {
+        "eager_fwd": timing(fwd),
+        "eager_fb": timing(fb),
+        "graph_fwd": timing(captured(fwd)),
+        "graph_fb": timing(captured(fb)),
+    }
     if case.sdpa:
         _sdpa(case, dtype, timing, row)
     if flex and case.flex:
@@ -232,8 +238,11 @@ def main(argv: list[str] | None = None) -> int:
         argv.remove("--model-step")
         return stu_step.main(argv)
     p = Parser(prog="flexhstu bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model-step", action="store_true",
-                   help="time the STU stack's forward+backward instead (options: flexhstu bench --model-step --help)")
+    p.add_argument(
+        "--model-step",
+        action="store_true",
+        help="time the STU stack's forward+backward instead (options: flexhstu bench --model-step --help)",
+    )
     p.add_argument("--suite", action="store_true", help="run the configurations recorded in benchmarks/RESULTS.md")
     p.add_argument("--only", default="", help="with --suite: comma-separated name prefixes to keep")
     p.add_argument("--no-flex", action="store_true", help="skip FlexAttention (it compiles per configuration)")
@@ -264,16 +273,32 @@ def main(argv: list[str] | None = None) -> int:
             keep = tuple(x.strip() for x in a.only.split(","))
             cases = [c for c in cases if c.name.startswith(keep)]
     else:
-        cases = [Case(f"custom {a.mask}", [a.seq] * a.batch, heads=a.heads, dim=a.dim, mask=a.mask, nfunc=a.nfunc,
-                      k1=a.sla_k1, k2=a.sla_k2, window=a.window if a.mask == "window" else 0, targets=a.targets,
-                      group=a.group_size, sparse=True if a.sparse else None)]
+        cases = [
+            Case(
+                f"custom {a.mask}",
+                [a.seq] * a.batch,
+                heads=a.heads,
+                dim=a.dim,
+                mask=a.mask,
+                nfunc=a.nfunc,
+                k1=a.sla_k1,
+                k2=a.sla_k2,
+                window=a.window if a.mask == "window" else 0,
+                targets=a.targets,
+                group=a.group_size,
+                sparse=True if a.sparse else None,
+            )
+        ]
     rows = []
     t_start = time.perf_counter()
     for c in cases:
         rows.append(run_case(c, repeats=a.repeats, warmup=a.warmup_ms, rep=a.rep_ms, flex=not a.no_flex))
         r = rows[-1]
-        print(f"{c.name}: graph fwd {r.ours['graph_fwd'].ms:.3f} ms, fwd+bwd {r.ours['graph_fb'].ms:.3f} ms "
-              f"({time.perf_counter() - t_start:.0f} s)", flush=True)
+        print(
+            f"{c.name}: graph fwd {r.ours['graph_fwd'].ms:.3f} ms, fwd+bwd {r.ours['graph_fb'].ms:.3f} ms "
+            f"({time.perf_counter() - t_start:.0f} s)",
+            flush=True,
+        )
         if a.json:
             with open(a.json, "w") as fh:
                 json.dump([asdict(x) for x in rows], fh, indent=1)

@@ -90,15 +90,27 @@ def micro_batch_list(text: str) -> list[int | None]:
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = Parser(prog="flexhstu bench --serving", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="a representative subset: history 16384, 2048 candidates, "
-                   "4 layers, micro-batches 256 and all, 1 and 8 users (options given still apply)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a representative subset: history 16384, 2048 candidates, "
+        "4 layers, micro-batches 256 and all, 1 and 8 users (options given still apply)",
+    )
     p.add_argument("--aoti", action="store_true", help="compare an AOTInductor-compiled micro-batch with eager")
-    p.add_argument("--part", choices=["all", "scoring", "kernel"], default="all",
-                   help="without --aoti: the scoring rows, the kernel rows, or both")
+    p.add_argument(
+        "--part",
+        choices=["all", "scoring", "kernel"],
+        default="all",
+        help="without --aoti: the scoring rows, the kernel rows, or both",
+    )
     p.add_argument("--hist", type=positive_list, default=None, help="history lengths (default 4096,16384)")
     p.add_argument("--cands", type=positive_list, default=None, help="candidates per user (default 512,2048)")
-    p.add_argument("--micro-batch", type=micro_batch_list, default=None,
-                   help="candidates per user per delta call, or all (default 64,256,all)")
+    p.add_argument(
+        "--micro-batch",
+        type=micro_batch_list,
+        default=None,
+        help="candidates per user per delta call, or all (default 64,256,all)",
+    )
     p.add_argument("--layers", type=positive_list, default=None, help="STU layers (default 2,4,8)")
     p.add_argument("--users", type=positive_list, default=None, help="users per request (default 1,8,32)")
     p.add_argument("--dim", type=positive_int, default=512, help="embedding dim of the model")
@@ -106,8 +118,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--samples", type=positive_int, default=30, help="timed requests per row")
     p.add_argument("--warmup", type=non_negative_int, default=3, help="untimed requests before them")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
-    p.add_argument("--backend", choices=["triton", "pytorch"], default="triton",
-                   help="the attention kernels (pytorch: the reference)")
+    p.add_argument(
+        "--backend",
+        choices=["triton", "pytorch"],
+        default="triton",
+        help="the attention kernels (pytorch: the reference)",
+    )
     p.add_argument("--device", default="cuda", help="cuda; cpu only runs the code path (for tests)")
     p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--json", default="", help="also write the rows here (rewritten after every row)")
@@ -130,22 +146,41 @@ def progress(row) -> str:
     fields = asdict(row)
     if fields.get("path") == "cached" and fields.get("cands") and fields["micro_batch"] is None:
         fields["micro_batch"] = "all"
-    shown = [f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items()
-             if k not in ("part", "status") and v is not None]
+    shown = [
+        f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+        for k, v in fields.items()
+        if k not in ("part", "status") and v is not None
+    ]
     return " ".join(shown) + f" [{row.status}]"
 
 
 def environment(setup: Setup) -> dict:
     where = torch.cuda.get_device_name(setup.device) if setup.device.type == "cuda" else "cpu"
-    return {"device": where, "torch": torch.__version__, "dtype": str(setup.dtype).replace("torch.", ""),
-            "backend": setup.backend.value, "dim": setup.dim, "heads": setup.heads, "group_size": GROUP,
-            "samples": setup.samples, "warmup": setup.warmup}
+    return {
+        "device": where,
+        "torch": torch.__version__,
+        "dtype": str(setup.dtype).replace("torch.", ""),
+        "backend": setup.backend.value,
+        "dim": setup.dim,
+        "heads": setup.heads,
+        "group_size": GROUP,
+        "samples": setup.samples,
+        "warmup": setup.warmup,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
-    setup = Setup(device=torch.device(a.device), dtype=getattr(torch, a.dtype), backend=Kernel(a.backend), dim=a.dim,
-                  heads=a.heads, samples=a.samples, warmup=a.warmup, seed=a.seed)
+    setup = Setup(
+        device=torch.device(a.device),
+        dtype=getattr(torch, a.dtype),
+        backend=Kernel(a.backend),
+        dim=a.dim,
+        heads=a.heads,
+        samples=a.samples,
+        warmup=a.warmup,
+        seed=a.seed,
+    )
     grid = Grid(**{name: getattr(a, name) for name in Grid._fields})
     env = environment(setup)
     print(" | ".join(f"{k} {v}" for k, v in env.items()), flush=True)

@@ -67,8 +67,9 @@ def aoti_rows(grid: Grid, setup: Setup) -> Iterator[AotiRow]:
         scorer = MicroBatchScorer(model, max_seq_len)
         with tempfile.TemporaryDirectory() as folder:
             t0 = time.perf_counter()
-            compiled = compile_scorer(scorer, example_inputs(model, setup, max_seq_len=max_seq_len),
-                                      Path(folder) / "scorer.pt2")
+            compiled = compile_scorer(
+                scorer, example_inputs(model, setup, max_seq_len=max_seq_len), Path(folder) / "scorer.pt2"
+            )
             package = Package(model=model, scorer=scorer, compiled=compiled, compile_s=time.perf_counter() - t0)
             for hist in grid.hist:
                 for users in grid.users:

@@ -55,8 +55,9 @@ def kernel_calls(setup: Setup, *, hist: int, cands: int, users: int) -> KernelCa
     offs = offsets_from_lengths([length] * users, device=setup.device)
     total = users * length
     g = torch.Generator(device=setup.device).manual_seed(setup.seed)
-    q, k, v = (torch.randn(total, heads, head_dim, device=setup.device, dtype=setup.dtype, generator=g)
-               for _ in range(3))
+    q, k, v = (
+        torch.randn(total, heads, head_dim, device=setup.device, dtype=setup.dtype, generator=g) for _ in range(3)
+    )
     targets = torch.full((users,), GROUP * cands, dtype=torch.int64, device=setup.device)
     func = masks.onerank(offs, targets, GROUP, total=total)  # (1, 5, total)
     _, local, _ = row_coords(offs, total)
@@ -65,15 +66,17 @@ def kernel_calls(setup: Setup, *, hist: int, cands: int, users: int) -> KernelCa
     new_rows = torch.nonzero(~history_row).squeeze(1)  # the groups' rows, user by user
     delta_q, delta_func = q[new_rows].contiguous(), func[:, :, new_rows].contiguous()
     calls = {
-        "delta": functools.partial(delta_hstu_mha, length, None, delta_q, k, v, offs, attn_func=delta_func,
-                                   kernel=setup.backend),
-        "full, same pairs": functools.partial(hstu_mha, length, None, q, k, v, offs, attn_func=same_pairs,
-                                              kernel=setup.backend),
-        "full, onerank": functools.partial(hstu_mha, length, None, q, k, v, offs, attn_func=func,
-                                           kernel=setup.backend),
+        "delta": functools.partial(
+            delta_hstu_mha, length, None, delta_q, k, v, offs, attn_func=delta_func, kernel=setup.backend
+        ),
+        "full, same pairs": functools.partial(
+            hstu_mha, length, None, q, k, v, offs, attn_func=same_pairs, kernel=setup.backend
+        ),
+        "full, onerank": functools.partial(hstu_mha, length, None, q, k, v, offs, attn_func=func, kernel=setup.backend),
     }
-    counted = {name: int(masks.count_visible(f, offs).sum()) * heads
-               for name, f in (("same", same_pairs), ("onerank", func))}
+    counted = {
+        name: int(masks.count_visible(f, offs).sum()) * heads for name, f in (("same", same_pairs), ("onerank", func))
+    }
     pairs = {"delta": counted["same"], "full, same pairs": counted["same"], "full, onerank": counted["onerank"]}
     return KernelCalls(calls, pairs)
 

@@ -71,23 +71,31 @@ def _scoring_group(model: OneRankModel, grid: Grid, setup: Setup, *, hist: int, 
         full = ScoringRow(path="full", hist=hist, cands=cands, layers=layers, users=users, micro_batch=None)
         full_scores = None
         with reported(full, setup.device), torch.no_grad():
-            full_scores, lat = latencies(functools.partial(model, *histories, cand_items, cand_offsets,
-                                                           max_seq_len=max_seq_len), setup)
+            full_scores, lat = latencies(
+                functools.partial(model, *histories, cand_items, cand_offsets, max_seq_len=max_seq_len), setup
+            )
             _fill(full, lat, cands=users * cands)
         yield full
         for micro_batch in (m for m in grid.micro_batch if m is not None and m < cands):
             row = ScoringRow(path="full", hist=hist, cands=cands, layers=layers, users=users, micro_batch=micro_batch)
             with reported(row, setup.device), torch.no_grad():
-                scores, lat = latencies(functools.partial(_full_per_micro_batch, model, histories, cand_items,
-                                                          cand_offsets, micro_batch, max_seq_len), setup)
+                scores, lat = latencies(
+                    functools.partial(
+                        _full_per_micro_batch, model, histories, cand_items, cand_offsets, micro_batch, max_seq_len
+                    ),
+                    setup,
+                )
                 _fill(row, lat, cands=users * cands)
                 if full_scores is not None:
                     row.rel_diff = rel_diff(scores, full_scores)
             yield row
         # On CUDA, micro-batched requests also run without CUDA graphs ("cached, eager"): what the graphs save.
         both = ("cached, eager", "cached")
-        paths = [(m, p) for m in grid.micro_batch
-                 for p in (both if m is not None and setup.device.type == "cuda" else ("cached",))]
+        paths = [
+            (m, p)
+            for m in grid.micro_batch
+            for p in (both if m is not None and setup.device.type == "cuda" else ("cached",))
+        ]
         for micro_batch, path in paths:
             row = ScoringRow(path=path, hist=hist, cands=cands, layers=layers, users=users, micro_batch=micro_batch)
             if caching.status != "ok":
@@ -95,17 +103,32 @@ def _scoring_group(model: OneRankModel, grid: Grid, setup: Setup, *, hist: int, 
             else:
                 with reported(row, setup.device):
                     graphs = False if path == "cached, eager" else None
-                    scores, lat = latencies(functools.partial(model.score_cached, cache, names, cand_items,
-                                                              cand_offsets, micro_batch=micro_batch,
-                                                              cuda_graphs=graphs), setup)
+                    scores, lat = latencies(
+                        functools.partial(
+                            model.score_cached,
+                            cache,
+                            names,
+                            cand_items,
+                            cand_offsets,
+                            micro_batch=micro_batch,
+                            cuda_graphs=graphs,
+                        ),
+                        setup,
+                    )
                     _fill(row, lat, cands=users * cands)
                     if full_scores is not None:
                         row.rel_diff = rel_diff(scores, full_scores)
             yield row
 
 
-def _full_per_micro_batch(model: OneRankModel, histories: Histories, cand_items: torch.Tensor,
-                          cand_offsets: torch.Tensor, micro_batch: int, max_seq_len: int) -> torch.Tensor:
+def _full_per_micro_batch(
+    model: OneRankModel,
+    histories: Histories,
+    cand_items: torch.Tensor,
+    cand_offsets: torch.Tensor,
+    micro_batch: int,
+    max_seq_len: int,
+) -> torch.Tensor:
     """Scores with no cache, ``micro_batch`` candidates per user at a time: the histories run every time."""
     scores = None
     for mb in serving.micro_batches(cand_offsets, micro_batch):

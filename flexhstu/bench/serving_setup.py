@@ -61,8 +61,9 @@ QUICK = Grid(hist=[16384], cands=[2048], micro_batch=[256, None], layers=[4], us
 def build_model(setup: Setup, *, layers: int, max_hist: int) -> OneRankModel:
     """A OneRank model with random weights, eval mode, on the setup's device and dtype; eager STU layers."""
     torch.manual_seed(setup.seed)
-    model = OneRankModel(ITEMS, dim=setup.dim, layers=layers, heads=setup.heads, max_len=max_hist, dropout=0.0,
-                         kernel=setup.backend)
+    model = OneRankModel(
+        ITEMS, dim=setup.dim, layers=layers, heads=setup.heads, max_len=max_hist, dropout=0.0, kernel=setup.backend
+    )
     eager = dataclasses.replace(model.stack.layers[0].cfg, compile=False)  # both paths eager around the kernels
     for layer in model.stack.layers:
         layer.cfg = eager

@@ -71,16 +71,25 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=128, help="per head, for q, k, u and v")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=4096, help="sequence length for --lengths fixed")
-    p.add_argument("--lengths", choices=["fixed", "jagged"], default="fixed",
-                   help="fixed: --batch x --seq; jagged: --batch lengths uniform in [--jagged-min, --jagged-max]")
+    p.add_argument(
+        "--lengths",
+        choices=["fixed", "jagged"],
+        default="fixed",
+        help="fixed: --batch x --seq; jagged: --batch lengths uniform in [--jagged-min, --jagged-max]",
+    )
     p.add_argument("--jagged-min", type=int, default=512)
     p.add_argument("--jagged-max", type=int, default=8192)
     p.add_argument("--mask", choices=["causal", "window", "sla"], default="causal")
     p.add_argument("--window", type=int, default=256, help="max_attn_len for --mask window")
     p.add_argument("--sla-k1", type=int, default=256)
     p.add_argument("--sla-k2", type=int, default=32)
-    p.add_argument("--suite", action="store_true", help="the four configurations: " + ", ".join(
-        f"{m} {lg}" for m, lg in SUITE) + " (overrides --mask and --lengths)")
+    p.add_argument(
+        "--suite",
+        action="store_true",
+        help="the four configurations: "
+        + ", ".join(f"{m} {lg}" for m, lg in SUITE)
+        + " (overrides --mask and --lengths)",
+    )
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
@@ -106,8 +115,10 @@ def parse(argv=None) -> argparse.Namespace:
     if device.type not in ("cuda", "cpu"):
         p.error(f"--device: expected cuda or cpu, got '{a.device}'")
     if device.type == "cuda" and not torch.cuda.is_available():
-        p.error("--device: expected cpu here (CUDA is not available; cpu runs the code path, untimed in any useful "
-                "sense), got 'cuda'")
+        p.error(
+            "--device: expected cpu here (CUDA is not available; cpu runs the code path, untimed in any useful "
+            "sense), got 'cuda'"
+        )
     if a.json:  # checked before the benchmark runs, not after
         out = Path(a.json)
         if out.is_dir() or not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
@@ -117,9 +128,11 @@ def parse(argv=None) -> argparse.Namespace:
         length = "--seq" if worst == "fixed" else "--jagged-max"
         sizes = f"{length} {a.seq if worst == 'fixed' else a.jagged_max}"
         lower = f"--batch, {length}, " + ("--heads or --layers" if device.type == "cpu" else "--layers or --dim")
-        p.error(f"--batch {a.batch} {sizes} --layers {a.layers} --dim {a.dim} --heads {a.heads} --head-dim "
-                f"{a.head_dim} ({a.dtype}): a step needs up to {need / 2**30:.1f} GiB (estimate), "
-                f"{have / 2**30:.1f} GiB available on {device.type}; lower {lower}")
+        p.error(
+            f"--batch {a.batch} {sizes} --layers {a.layers} --dim {a.dim} --heads {a.heads} --head-dim "
+            f"{a.head_dim} ({a.dtype}): a step needs up to {need / 2**30:.1f} GiB (estimate), "
+            f"{have / 2**30:.1f} GiB available on {device.type}; lower {lower}"
+        )
     return a
 
 
@@ -128,8 +141,9 @@ def configs_of(a: argparse.Namespace) -> list[tuple[str, str]]:
     return SUITE if a.suite else [(a.mask, a.lengths)]
 
 
-def step_bytes(*, layers: int, dim: int, heads: int, head_dim: int, lengths: list[int], itemsize: int,
-               dense: bool) -> int:
+def step_bytes(
+    *, layers: int, dim: int, heads: int, head_dim: int, lengths: list[int], itemsize: int, dense: bool
+) -> int:
     """An upper bound of the memory (bytes) one step of the stack takes, inputs and parameters included.
 
     * rows: ``(layers + 1) * total * (6 * dim + 16 * heads * head_dim) * itemsize``. A plain layer keeps
@@ -173,9 +187,18 @@ def available_bytes(device: torch.device) -> int | None:
 def memory_check(a: argparse.Namespace, device: torch.device) -> tuple[int, int | None, str]:
     """(the largest step's bound, the device's free memory or None, that step's kind of lengths)."""
     itemsize = torch.empty((), dtype=getattr(torch, a.dtype)).element_size()
-    need = {kind: step_bytes(layers=a.layers, dim=a.dim, heads=a.heads, head_dim=a.head_dim,
-                             lengths=lengths_of(a, kind), itemsize=itemsize, dense=device.type == "cpu")
-            for kind in sorted({kind for _, kind in configs_of(a)})}
+    need = {
+        kind: step_bytes(
+            layers=a.layers,
+            dim=a.dim,
+            heads=a.heads,
+            head_dim=a.head_dim,
+            lengths=lengths_of(a, kind),
+            itemsize=itemsize,
+            dense=device.type == "cpu",
+        )
+        for kind in sorted({kind for _, kind in configs_of(a)})
+    }
     worst = max(need, key=need.__getitem__)
     return need[worst], available_bytes(device), worst
 
@@ -219,8 +242,9 @@ def _step(stack: STUStack, x, offs, max_len: int, kw: dict, grad_out) -> None:
     stack(x, offs, max_len, **kw).backward(grad_out)
 
 
-def bench_config(a: argparse.Namespace, mask: str, kind: str, device: torch.device,
-                 say: Callable[[str], None] = lambda text: None) -> Iterator[StepRow]:
+def bench_config(
+    a: argparse.Namespace, mask: str, kind: str, device: torch.device, say: Callable[[str], None] = lambda text: None
+) -> Iterator[StepRow]:
     """One row per variant of ``a.variants`` for one mask and kind of lengths; ``say`` hears which step runs."""
     dtype = getattr(torch, a.dtype)
     lengths = lengths_of(a, kind)
@@ -234,8 +258,15 @@ def bench_config(a: argparse.Namespace, mask: str, kind: str, device: torch.devi
     name = f"{mask} {kind} B{a.batch} " + (f"S{a.seq}" if kind == "fixed" else f"S{a.jagged_min}..{a.jagged_max}")
     for variant in a.variants:
         torch.manual_seed(a.seed)
-        cfg = STULayerConfig(embedding_dim=a.dim, num_heads=a.heads, attention_dim=a.head_dim, hidden_dim=a.head_dim,
-                             dropout=a.dropout, compile_backend=a.compile_backend, **VARIANTS[variant])
+        cfg = STULayerConfig(
+            embedding_dim=a.dim,
+            num_heads=a.heads,
+            attention_dim=a.head_dim,
+            hidden_dim=a.head_dim,
+            dropout=a.dropout,
+            compile_backend=a.compile_backend,
+            **VARIANTS[variant],
+        )
         stack = STUStack(cfg, a.layers).to(device=device, dtype=dtype)
         grads = [x, *stack.parameters()]
         step = functools.partial(_step, stack, x, offs, max_len, kw, grad_out)
@@ -267,9 +298,11 @@ def main(argv=None) -> int:
     configs = configs_of(a)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     need, have, _ = memory_check(a, device)
-    print(f"STU stack: {a.layers} layers, dim {a.dim}, {a.heads} heads of {a.head_dim}, {a.dtype}, "
-          f"dropout {a.dropout}, device {where}; a step needs up to {need / 2**30:.2f} GiB (estimate), "
-          + ("available memory unknown" if have is None else f"{have / 2**30:.1f} GiB available"))
+    print(
+        f"STU stack: {a.layers} layers, dim {a.dim}, {a.heads} heads of {a.head_dim}, {a.dtype}, "
+        f"dropout {a.dropout}, device {where}; a step needs up to {need / 2**30:.2f} GiB (estimate), "
+        + ("available memory unknown" if have is None else f"{have / 2**30:.1f} GiB available")
+    )
     print(STEP_HEADER, flush=True)
     rows: list[StepRow] = []
     steps, t_start = len(configs) * len(a.variants), time.perf_counter()

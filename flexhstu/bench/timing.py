@@ -51,8 +51,7 @@ class Latency(NamedTuple):
     samples: int
 
 
-def latencies(call: Callable[[], object], device: torch.device, *, samples: int, warmup: int
-              ) -> tuple[object, Latency]:
+def latencies(call: Callable[[], object], device: torch.device, *, samples: int, warmup: int) -> tuple[object, Latency]:
     """``call``'s last output and its latency: ``warmup`` calls, then ``samples`` calls, each timed with CUDA
     events from an idle device (CPU: wall time). p99 is the nearest rank."""
     out = None

@@ -56,7 +56,7 @@ def user_input(arg: str | None = None, lib_arg: str | None = None) -> Iterator[N
     except (ValueError, TypeError, OSError) as e:
         text = f"{e.strerror}: '{e.filename}'" if isinstance(e, OSError) and e.strerror else str(e)
         if arg and lib_arg and text.startswith(f"{lib_arg}:"):
-            text = arg + text[len(lib_arg):]
+            text = arg + text[len(lib_arg) :]
         named = arg and not text.startswith(f"{arg}:")  # a message that names the argument already keeps its form
         raise UserError(f"{arg}: {text}" if named else text) from e
 
@@ -72,8 +72,9 @@ def output_files() -> Iterator[None]:
         code = f" ({errno.errorcode[e.errno]})" if e.errno in errno.errorcode else ""
         if e.filename:
             name = Path(e.filename).name
-            raise RunFailure(f"could not write {e.filename}: {e.strerror}{code}; the previous {name}, if any, is "
-                             "kept whole") from e
+            raise RunFailure(
+                f"could not write {e.filename}: {e.strerror}{code}; the previous {name}, if any, is kept whole"
+            ) from e
         raise RunFailure(f"could not write {e}") from e
 
 

@@ -25,14 +25,22 @@ def build_mask(kind: str, offs: torch.Tensor, args: argparse.Namespace) -> torch
     if kind == "causal":
         return masks.causal(offs)
     if kind == "fixed":
-        return masks.fixed(offs, num_targets=targets, max_attn_len=args.max_attn_len,
-                           contextual_seq_len=args.contextual_seq_len, min_full_attn_seq_len=args.min_full_attn_seq_len)
+        return masks.fixed(
+            offs,
+            num_targets=targets,
+            max_attn_len=args.max_attn_len,
+            contextual_seq_len=args.contextual_seq_len,
+            min_full_attn_seq_len=args.min_full_attn_seq_len,
+        )
     if kind == "sla":
-        return masks.sla(offs, args.sla_k1, args.sla_k2, num_targets=targets,
-                         contextual_seq_len=args.contextual_seq_len)
+        return masks.sla(
+            offs, args.sla_k1, args.sla_k2, num_targets=targets, contextual_seq_len=args.contextual_seq_len
+        )
     if targets is None:  # onerank, the last of argparse's choices
-        raise ValueError("--targets: expected one target count per sequence (a multiple of --group-size), "
-                         "got none; onerank needs them")
+        raise ValueError(
+            "--targets: expected one target count per sequence (a multiple of --group-size), "
+            "got none; onerank needs them"
+        )
     return masks.onerank(offs, targets, args.group_size)
 
 
@@ -46,19 +54,21 @@ MAX_PICTURE_SEQUENCES = 8
 def cmd_show_mask(args: argparse.Namespace) -> int:
     lengths = args.lengths
     if max(lengths) > MAX_PICTURE_LENGTH:
-        raise UserError(f"--lengths: expected lengths up to {MAX_PICTURE_LENGTH} (one pixel per (query, key) pair; a "
-                        f"longer sequence's picture is unreadable), got {max(lengths)}")
+        raise UserError(
+            f"--lengths: expected lengths up to {MAX_PICTURE_LENGTH} (one pixel per (query, key) pair; a "
+            f"longer sequence's picture is unreadable), got {max(lengths)}"
+        )
     if len(lengths) > MAX_PICTURE_SEQUENCES:
-        raise UserError(f"--lengths: expected at most {MAX_PICTURE_SEQUENCES} sequences (one panel each), "
-                        f"got {len(lengths)}")
+        raise UserError(
+            f"--lengths: expected at most {MAX_PICTURE_SEQUENCES} sequences (one panel each), got {len(lengths)}"
+        )
     if args.targets is not None and len(args.targets) != len(lengths):
         raise UserError(f"--targets: expected {len(lengths)} values (one per sequence), got {len(args.targets)}")
     offs = offsets_from_lengths(lengths)
     with user_input():  # the builders check the mask arguments against the lengths
         func = build_mask(args.mask, offs, args)
     with user_input("--output", lib_arg="path"):
-        path = picture.render(func, offs, max(lengths + [1]), args.output,
-                              title=f"{args.mask} (NFUNC {func.shape[1]})")
+        path = picture.render(func, offs, max(lengths + [1]), args.output, title=f"{args.mask} (NFUNC {func.shape[1]})")
     print(f"wrote {path}: {args.mask}, NFUNC {func.shape[1]}, lengths {lengths}")
     return 0
 
@@ -130,14 +140,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
             err = (run().double() - ref).abs().max().item()
             ok = err <= bound
             failed += not ok
-            print(f"{name:<16} {backend.value:<8} {func.shape[1]:>5} {visible:>8.3f} {err:>10.2e} "
-                  f"{_time_ms(run, repeat=1 if device == 'cpu' else 3):>8.2f}  {'pass' if ok else 'FAIL'}")
+            print(
+                f"{name:<16} {backend.value:<8} {func.shape[1]:>5} {visible:>8.3f} {err:>10.2e} "
+                f"{_time_ms(run, repeat=1 if device == 'cpu' else 3):>8.2f}  {'pass' if ok else 'FAIL'}"
+            )
         small = offsets_from_lengths([48, 40])
-        sfunc = {"causal": masks.causal(small), "sla": masks.sla(small, 12, 4),
-                 "onerank": masks.onerank(small, torch.tensor([16, 12]), 4)}
+        sfunc = {
+            "causal": masks.causal(small),
+            "sla": masks.sla(small, 12, 4),
+            "onerank": masks.onerank(small, torch.tensor([16, 12]), 4),
+        }
         key = name.split()[0]
-        picture.render(sfunc[key], small, 48, os.path.join(args.out, f"mask-{key}.png"),
-                       title=f"{key} (NFUNC {sfunc[key].shape[1]})")
+        picture.render(
+            sfunc[key],
+            small,
+            48,
+            os.path.join(args.out, f"mask-{key}.png"),
+            title=f"{key} (NFUNC {sfunc[key].shape[1]})",
+        )
     if skipped is not None:
         print(f"triton: {skipped}")
     print(f"mask pictures in {args.out}/")
@@ -153,46 +173,60 @@ def build_parser() -> Parser:
     parser.add_argument("--version", action="version", version=f"flexhstu {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
-    demo = sub.add_parser("demo", help="run hstu_mha on SLA and OneRank masks, check it, draw the masks",
-                          description="Run hstu_mha (and the Triton kernels where they can run) on causal, SLA and "
-                                      "OneRank masks, compare each with the float64 reference, draw the masks. "
-                                      "Exit status 1 if a check fails.")
+    demo = sub.add_parser(
+        "demo",
+        help="run hstu_mha on SLA and OneRank masks, check it, draw the masks",
+        description="Run hstu_mha (and the Triton kernels where they can run) on causal, SLA and "
+        "OneRank masks, compare each with the float64 reference, draw the masks. "
+        "Exit status 1 if a check fails.",
+    )
     demo.add_argument("--out", default="flexhstu-demo", help="folder for the mask pictures")
     demo.add_argument("--seed", type=non_negative_int, default=0, help="seed of the random q, k, v")
     demo.add_argument("--debug", action="store_true", help="show the traceback of an input error")
     demo.set_defaults(fn=cmd_demo, parser=demo)
 
-    show = sub.add_parser("show-mask", help="draw a mask as a PNG, one panel per sequence",
-                          description="Draw a mask as a PNG, one panel per sequence (query rows down, key columns "
-                                      f"across; up to {MAX_PICTURE_SEQUENCES} sequences of length up to "
-                                      f"{MAX_PICTURE_LENGTH}).")
+    show = sub.add_parser(
+        "show-mask",
+        help="draw a mask as a PNG, one panel per sequence",
+        description="Draw a mask as a PNG, one panel per sequence (query rows down, key columns "
+        f"across; up to {MAX_PICTURE_SEQUENCES} sequences of length up to "
+        f"{MAX_PICTURE_LENGTH}).",
+    )
     show.add_argument("mask", choices=["causal", "fixed", "sla", "onerank"], help="the mask builder")
-    show.add_argument("--lengths", type=lengths_list, required=True,
-                      help="comma-separated sequence lengths, e.g. 40,64")
-    show.add_argument("--targets", type=lengths_list, default=None,
-                      help="comma-separated target counts, one per sequence")
+    show.add_argument(
+        "--lengths", type=lengths_list, required=True, help="comma-separated sequence lengths, e.g. 40,64"
+    )
+    show.add_argument(
+        "--targets", type=lengths_list, default=None, help="comma-separated target counts, one per sequence"
+    )
     show.add_argument("--sla-k1", type=positive_int, default=8, help="sla: local causal window K1")
     show.add_argument("--sla-k2", type=non_negative_int, default=4, help="sla: global prefix K2")
     show.add_argument("--group-size", type=positive_int, default=4, help="onerank: tokens per candidate, K + 1")
     show.add_argument("--max-attn-len", type=non_negative_int, default=0, help="fixed: attention window (0: none)")
-    show.add_argument("--contextual-seq-len", type=non_negative_int, default=0,
-                      help="fixed, sla: contextual prefix length")
-    show.add_argument("--min-full-attn-seq-len", type=non_negative_int, default=0,
-                      help="fixed: last rows that see past the window")
+    show.add_argument(
+        "--contextual-seq-len", type=non_negative_int, default=0, help="fixed, sla: contextual prefix length"
+    )
+    show.add_argument(
+        "--min-full-attn-seq-len", type=non_negative_int, default=0, help="fixed: last rows that see past the window"
+    )
     show.add_argument("-o", "--output", default="mask.png", help="the PNG to write")
     show.add_argument("--debug", action="store_true", help="show the traceback of an input error")
     show.set_defaults(fn=cmd_show_mask, parser=show)
 
-    bench = sub.add_parser("bench", help="time hstu_mha against SDPA on a GPU (see flexhstu bench --help); "
-                           "--serving: cached scoring against full recompute (flexhstu bench --serving --help)",
-                           add_help=False)
+    bench = sub.add_parser(
+        "bench",
+        help="time hstu_mha against SDPA on a GPU (see flexhstu bench --help); "
+        "--serving: cached scoring against full recompute (flexhstu bench --serving --help)",
+        add_help=False,
+    )
     bench.set_defaults(fn=lambda a: _bench_main(a.rest))
 
     train = sub.add_parser("train", help="train and evaluate a model (see flexhstu train --help)", add_help=False)
     train.set_defaults(fn=lambda a: _train_main(a.rest))
 
-    rec = sub.add_parser("recommend", help="top-K items per user from a trained run (see flexhstu recommend --help)",
-                         add_help=False)
+    rec = sub.add_parser(
+        "recommend", help="top-K items per user from a trained run (see flexhstu recommend --help)", add_help=False
+    )
     rec.set_defaults(fn=lambda a: _recommend_main(a.rest))
     return parser
 

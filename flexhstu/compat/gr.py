@@ -66,8 +66,21 @@ def hstu_mha(
     """
     del sort_by_length, enable_tma  # hints for GR's Triton scheduling; flexhstu's kernels need neither
     return _hstu_mha(
-        max_seq_len, alpha, q, k, v, seq_offsets, causal, dropout_pr, training, num_targets, max_attn_len,
-        contextual_seq_len, min_full_attn_seq_len, attn_scale=attn_scale, kernel=to_kernel(kernel),
+        max_seq_len,
+        alpha,
+        q,
+        k,
+        v,
+        seq_offsets,
+        causal,
+        dropout_pr,
+        training,
+        num_targets,
+        max_attn_len,
+        contextual_seq_len,
+        min_full_attn_seq_len,
+        attn_scale=attn_scale,
+        kernel=to_kernel(kernel),
     )
 
 
@@ -94,5 +107,6 @@ def delta_hstu_mha(
     kernel = to_kernel(kernel)
     if kernel == Kernel.CUTLASS:  # GR's HammerKernel.CUDA: the peer's delta dispatch runs its PyTorch path
         kernel = Kernel.PYTORCH
-    return _delta_hstu_mha(max_seq_len, alpha, delta_q, k, v, seq_offsets, num_targets, max_attn_len,
-                           contextual_seq_len, kernel=kernel)
+    return _delta_hstu_mha(
+        max_seq_len, alpha, delta_q, k, v, seq_offsets, num_targets, max_attn_len, contextual_seq_len, kernel=kernel
+    )

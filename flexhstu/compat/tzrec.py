@@ -83,13 +83,34 @@ def hstu_mha(
     kernel = to_kernel(kernel)
     if attn_func is not None:
         return _hstu_mha(
-            max_seq_len, alpha, q, k, v, seq_offsets, dropout_pr=dropout_pr, training=training, attn_func=attn_func,
-            scaling_seqlen=scaling_seqlen, kernel=kernel,
+            max_seq_len,
+            alpha,
+            q,
+            k,
+            v,
+            seq_offsets,
+            dropout_pr=dropout_pr,
+            training=training,
+            attn_func=attn_func,
+            scaling_seqlen=scaling_seqlen,
+            kernel=kernel,
         )
     return _hstu_mha(
-        max_seq_len, alpha, q, k, v, seq_offsets, causal, dropout_pr, training,
-        _clamped_targets(num_targets, seq_offsets), max_attn_len, contextual_seq_len, min_full_attn_seq_len,
-        scaling_seqlen=scaling_seqlen, kernel=kernel,
+        max_seq_len,
+        alpha,
+        q,
+        k,
+        v,
+        seq_offsets,
+        causal,
+        dropout_pr,
+        training,
+        _clamped_targets(num_targets, seq_offsets),
+        max_attn_len,
+        contextual_seq_len,
+        min_full_attn_seq_len,
+        scaling_seqlen=scaling_seqlen,
+        kernel=kernel,
     )
 
 
@@ -120,8 +141,17 @@ def delta_hstu_mha(
     if kernel == _Kernel.CUTLASS:  # as tzrec's delta_hstu_mha: no CUTLASS delta kernel, Triton runs it
         kernel = _Kernel.TRITON
     return _delta_hstu_mha(
-        max_seq_len, alpha, delta_q, k, v, seq_offsets, _clamped_targets(num_targets, seq_offsets), max_attn_len,
-        contextual_seq_len, kernel=kernel, scaling_seqlen=scaling_seqlen,
+        max_seq_len,
+        alpha,
+        delta_q,
+        k,
+        v,
+        seq_offsets,
+        _clamped_targets(num_targets, seq_offsets),
+        max_attn_len,
+        contextual_seq_len,
+        kernel=kernel,
+        scaling_seqlen=scaling_seqlen,
     )
 
 
@@ -145,6 +175,11 @@ def build_sla_func_tensor(
         seq_offsets = seq_offsets.to(device)
         num_targets = num_targets.to(device) if isinstance(num_targets, torch.Tensor) else num_targets
     return masks.sla(
-        seq_offsets, sla_k1, sla_k2, num_targets=_clamped_targets(num_targets, seq_offsets),
-        contextual_seq_len=contextual_seq_len, total=total_q, nheads=nheads,
+        seq_offsets,
+        sla_k1,
+        sla_k2,
+        num_targets=_clamped_targets(num_targets, seq_offsets),
+        contextual_seq_len=contextual_seq_len,
+        total=total_q,
+        nheads=nheads,
     )

@@ -105,8 +105,9 @@ def _read_raw(path: Path) -> dict[str, np.ndarray]:
     cols = {}
     for c in COLUMNS:
         j = header.index(c)
-        parse, kind, dtype = (_parse_rating, "a finite number", np.float64) if c == "rating" else \
-            (_parse_int, "an integer", np.int64)
+        parse, kind, dtype = (
+            (_parse_rating, "a finite number", np.float64) if c == "rating" else (_parse_int, "an integer", np.int64)
+        )
         values = []
         for n, r in rows:
             text = r[j].strip() if j < len(r) else ""
@@ -135,17 +136,24 @@ def _check_table(table: pa.Table, where: str, names: dict[str, str] | None = Non
         raise ValueError(f"{where}: expected interactions, got an empty table")
     for c in COLUMNS:
         kind = table.schema.field(c).type
-        ok = {"user": pa.types.is_integer(kind) or pa.types.is_string(kind) or pa.types.is_large_string(kind),
-              "item": pa.types.is_integer(kind) or pa.types.is_string(kind) or pa.types.is_large_string(kind),
-              "timestamp": pa.types.is_integer(kind),
-              "rating": pa.types.is_integer(kind) or pa.types.is_floating(kind)}[c]
-        expected = {"user": "integer or string ids", "item": "integer or string ids", "timestamp": "integers",
-                    "rating": "numbers"}[c]
+        ok = {
+            "user": pa.types.is_integer(kind) or pa.types.is_string(kind) or pa.types.is_large_string(kind),
+            "item": pa.types.is_integer(kind) or pa.types.is_string(kind) or pa.types.is_large_string(kind),
+            "timestamp": pa.types.is_integer(kind),
+            "rating": pa.types.is_integer(kind) or pa.types.is_floating(kind),
+        }[c]
+        expected = {
+            "user": "integer or string ids",
+            "item": "integer or string ids",
+            "timestamp": "integers",
+            "rating": "numbers",
+        }[c]
         if not ok:
             raise ValueError(f"{where}: column '{names[c]}' expected {expected}, got {kind}")
         if table.column(c).null_count:
-            raise ValueError(f"{where}: column '{names[c]}' expected a value in every row, got "
-                             f"{table.column(c).null_count} empty")
+            raise ValueError(
+                f"{where}: column '{names[c]}' expected a value in every row, got {table.column(c).null_count} empty"
+            )
 
 
 _INT64_MAX = np.iinfo(np.int64).max
@@ -163,8 +171,9 @@ def _to_interactions(table: pa.Table, name: str, names: dict[str, str] | None = 
     names = names or {c: c for c in COLUMNS}
     cols = {c: table.column(c).to_numpy(zero_copy_only=False) for c in COLUMNS}
     if not _fits_int64(cols["timestamp"]):
-        raise ValueError(f"{name}: column '{names['timestamp']}' expected timestamps below 2^63, got "
-                         f"{int(cols['timestamp'].max())}")
+        raise ValueError(
+            f"{name}: column '{names['timestamp']}' expected timestamps below 2^63, got {int(cols['timestamp'].max())}"
+        )
     item_ids, item = np.unique(cols["item"], return_inverse=True)
     user, user_ids = cols["user"], None
     if not np.issubdtype(user.dtype, np.integer) or not _fits_int64(user):  # codes, the ids kept as they are
@@ -179,8 +188,11 @@ def _to_interactions(table: pa.Table, name: str, names: dict[str, str] | None = 
     dropped = len(user) - len(first)
     if dropped:
         keep = np.sort(first)
-        print(f"flexhstu: {name}: dropped {dropped} duplicate events (same user, item and timestamp; the first "
-              "of each is kept)", file=sys.stderr)
+        print(
+            f"flexhstu: {name}: dropped {dropped} duplicate events (same user, item and timestamp; the first "
+            "of each is kept)",
+            file=sys.stderr,
+        )
         user, item, rating, timestamp = user[keep], item[keep], rating[keep], timestamp[keep]
     return Interactions(user, item, rating, timestamp, len(item_ids), name, item_ids, user_ids, dropped)
 
@@ -208,14 +220,16 @@ def parse_columns(text: str) -> dict[str, str]:
     for part in (p.strip() for p in text.split(",") if p.strip()):
         key, sep, column = (x.strip() for x in part.partition("="))
         if not sep or key not in MAPPED or not column:
-            raise ValueError(f"--columns: expected comma-separated KEY=COLUMN with KEY in {', '.join(MAPPED)}, "
-                             f"got '{part}'")
+            raise ValueError(
+                f"--columns: expected comma-separated KEY=COLUMN with KEY in {', '.join(MAPPED)}, got '{part}'"
+            )
         if key in mapping:
             raise ValueError(f"--columns: expected each key once, got '{key}' twice")
         if column in mapping.values():
             other = next(k for k, c in mapping.items() if c == column)
-            raise ValueError(f"--columns: expected a different column for each key, got '{column}' for both "
-                             f"{other} and {key}")
+            raise ValueError(
+                f"--columns: expected a different column for each key, got '{column}' for both {other} and {key}"
+            )
         mapping[key] = column
     missing = [k for k in MAPPED[:3] if k not in mapping]
     if missing:
@@ -231,16 +245,24 @@ def _refuse_ints_beyond_int64(source: Path, table: pa.Table, columns: dict[str, 
         column = columns[key]
         if not pa.types.is_floating(table.schema.field(column).type):
             continue
-        text = pacsv.read_csv(source, convert_options=pacsv.ConvertOptions(
-            include_columns=[column], column_types={column: pa.string()})).column(column).to_pylist()
+        text = (
+            pacsv.read_csv(
+                source,
+                convert_options=pacsv.ConvertOptions(include_columns=[column], column_types={column: pa.string()}),
+            )
+            .column(column)
+            .to_pylist()
+        )
         for row, value in enumerate(text, start=1):
             try:
                 number = int(value.strip())
             except (AttributeError, ValueError):  # empty, or not an integer: _check_table's message says it
                 continue
             if not INT64_RANGE[0] <= number <= INT64_RANGE[1]:
-                raise ValueError(f"{source}: column '{column}' (--columns {key}={column}) expected integers from "
-                                 f"-2^63 to 2^63 - 1 (int64), got {value.strip()} (data row {row})")
+                raise ValueError(
+                    f"{source}: column '{column}' (--columns {key}={column}) expected integers from "
+                    f"-2^63 to 2^63 - 1 (int64), got {value.strip()} (data row {row})"
+                )
 
 
 def _read_mapped(source: Path, columns: dict[str, str]) -> Interactions:
@@ -256,15 +278,26 @@ def _read_mapped(source: Path, columns: dict[str, str]) -> Interactions:
         raise ValueError(f"{source}: could not read it as {source.suffix[1:]} ({e})") from e
     for key, column in columns.items():
         if column not in table.column_names:
-            raise ValueError(f"{source}: expected column '{column}' (--columns {key}={column}), missing "
-                             f"(found {table.column_names})")
+            raise ValueError(
+                f"{source}: expected column '{column}' (--columns {key}={column}), missing (found {table.column_names})"
+            )
     if source.suffix == ".csv":
         _refuse_ints_beyond_int64(source, table, columns)
     rating = table.column(columns["rating"]) if "rating" in columns else pa.array(np.ones(table.num_rows))
-    picked = pa.table({"user": table.column(columns["user"]), "item": table.column(columns["item"]),
-                       "rating": rating, "timestamp": table.column(columns["time"])})
-    names = {"user": columns["user"], "item": columns["item"], "timestamp": columns["time"],
-             "rating": columns.get("rating", "rating")}
+    picked = pa.table(
+        {
+            "user": table.column(columns["user"]),
+            "item": table.column(columns["item"]),
+            "rating": rating,
+            "timestamp": table.column(columns["time"]),
+        }
+    )
+    names = {
+        "user": columns["user"],
+        "item": columns["item"],
+        "timestamp": columns["time"],
+        "rating": columns.get("rating", "rating"),
+    }
     return _to_interactions(picked, str(source), names)
 
 
@@ -302,8 +335,9 @@ def cache_folder(cache_dir: str | os.PathLike | None = None) -> Path:
     try:
         cache.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ValueError(f"{arg}: expected a folder for the data cache, got '{cache}' (it cannot be made: "
-                         f"{e.strerror})") from e
+        raise ValueError(
+            f"{arg}: expected a folder for the data cache, got '{cache}' (it cannot be made: {e.strerror})"
+        ) from e
     return cache
 
 
@@ -347,5 +381,12 @@ def synthetic(num_users: int = 300, num_items: int = 200, length: int = 40, seed
     source = SyntheticSource(num_users, num_items, length, seed)
     users = [source.user(u) for u in range(num_users)]
     cat = lambda k: np.concatenate([x[k] for x in users])
-    return Interactions(np.repeat(np.arange(num_users), source.lengths), cat(0), cat(1), cat(2), num_items,
-                        "synthetic", np.arange(1, num_items + 1))
+    return Interactions(
+        np.repeat(np.arange(num_users), source.lengths),
+        cat(0),
+        cat(1),
+        cat(2),
+        num_items,
+        "synthetic",
+        np.arange(1, num_items + 1),
+    )

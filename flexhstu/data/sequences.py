@@ -27,8 +27,13 @@ def user_sequences(data: Interactions, min_len: int = 3) -> UserSequences:
     bounds = np.flatnonzero(np.diff(user)) + 1
     starts, ends = np.concatenate([[0], bounds]), np.concatenate([bounds, [len(user)]])
     keep = [(s, e) for s, e in zip(starts, ends) if e - s >= min_len]
-    return UserSequences([item[s:e] for s, e in keep], [rating[s:e] for s, e in keep], [ts[s:e] for s, e in keep],
-                         data.num_items, np.array([user[s] for s, _ in keep], dtype=np.int64))
+    return UserSequences(
+        [item[s:e] for s, e in keep],
+        [rating[s:e] for s, e in keep],
+        [ts[s:e] for s, e in keep],
+        data.num_items,
+        np.array([user[s] for s, _ in keep], dtype=np.int64),
+    )
 
 
 def leave_one_out(data: Interactions) -> tuple[UserSequences, list[int], list[int]]:

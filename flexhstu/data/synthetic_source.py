@@ -74,7 +74,7 @@ class LazyColumn(Sequence):
             return [self[j] for j in range(*i.indices(len(self)))]
         if i < 0:
             i += len(self)
-        return self.source.user(int(i))[self.which][self.start:self.stop]
+        return self.source.user(int(i))[self.which][self.start : self.stop]
 
     def __iter__(self) -> Iterator[np.ndarray]:
         return (self[i] for i in range(len(self)))

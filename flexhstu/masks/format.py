@@ -24,6 +24,7 @@ from ..jagged import can_read_values, check_lengths_at_most, check_offsets_meta,
 HSTU_ARBITRARY_NFUNC = 5
 """The interchange width of the fbgemm HSTU wheels (three intervals)."""
 
+
 def num_intervals(nfunc: int) -> int:
     """Number of key intervals a func of width ``nfunc`` encodes: ``(nfunc + 1) // 2``."""
     return (check_nfunc(nfunc, "nfunc") + 1) // 2

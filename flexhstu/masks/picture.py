@@ -14,7 +14,13 @@ INK = (20, 20, 20)
 
 
 def render(
-    func: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int, path: str, *, head: int = 0, cell: int = 0,
+    func: torch.Tensor,
+    seq_offsets: torch.Tensor,
+    max_seq_len: int,
+    path: str,
+    *,
+    head: int = 0,
+    cell: int = 0,
     title: str = "",
 ) -> str:
     """Draw ``func`` (head ``head``; a func of one head is every head's) for every sequence into a PNG at
@@ -50,7 +56,7 @@ def render(
         x0 = margin + b * (side + gap)
         y0 = top + 14
         block = torch.zeros(n, n, dtype=torch.bool)  # n > max_seq_len when that is 0
-        block[:dense.shape[-2], :dense.shape[-1]] = dense[b, :n, :n]
+        block[: dense.shape[-2], : dense.shape[-1]] = dense[b, :n, :n]
         rgb = torch.empty(n, n, 3, dtype=torch.uint8)
         inside = torch.zeros(n, n, dtype=torch.bool)
         inside[:L, :L] = True

@@ -48,9 +48,13 @@ def dense_fixed(
     if num_targets is not None:
         check_num_targets_meta(num_targets, seq_offsets.numel() - 1)
         check_num_targets_values(num_targets, seq_offsets)
-    rule = FixedRule(as_bool("causal", causal), num_targets, as_span("max_attn_len", max_attn_len),
-                     as_span("contextual_seq_len", contextual_seq_len),
-                     as_span("min_full_attn_seq_len", min_full_attn_seq_len))
+    rule = FixedRule(
+        as_bool("causal", causal),
+        num_targets,
+        as_span("max_attn_len", max_attn_len),
+        as_span("contextual_seq_len", contextual_seq_len),
+        as_span("min_full_attn_seq_len", min_full_attn_seq_len),
+    )
     return _dense_fixed(seq_offsets, n, rule)
 
 

@@ -44,11 +44,30 @@ def build_model(config: ModelConfig, num_items: int, items: nn.Module | None = N
     ``nn.Embedding``)."""
     c = config
     if c.model == "hstu":
-        return HSTURetrieval(num_items, dim=c.dim, layers=c.layers, heads=c.heads, max_len=c.max_len, mask=c.mask,
-                             sla_k1=c.sla_k1, sla_k2=c.sla_k2, dropout=c.dropout, rel_bias=not c.no_rel_bias,
-                             items=items)
+        return HSTURetrieval(
+            num_items,
+            dim=c.dim,
+            layers=c.layers,
+            heads=c.heads,
+            max_len=c.max_len,
+            mask=c.mask,
+            sla_k1=c.sla_k1,
+            sla_k2=c.sla_k2,
+            dropout=c.dropout,
+            rel_bias=not c.no_rel_bias,
+            items=items,
+        )
     if c.model == "sasrec":
-        return SASRecRetrieval(num_items, dim=c.dim, layers=c.layers, heads=c.heads, max_len=c.max_len,
-                               dropout=c.dropout, items=items)
-    return OneRankModel(num_items, dim=c.dim, layers=c.layers, heads=c.heads, max_len=c.max_len,
-                        task_tokens=not c.no_task_tokens, dropout=c.dropout, items=items)
+        return SASRecRetrieval(
+            num_items, dim=c.dim, layers=c.layers, heads=c.heads, max_len=c.max_len, dropout=c.dropout, items=items
+        )
+    return OneRankModel(
+        num_items,
+        dim=c.dim,
+        layers=c.layers,
+        heads=c.heads,
+        max_len=c.max_len,
+        task_tokens=not c.no_task_tokens,
+        dropout=c.dropout,
+        items=items,
+    )

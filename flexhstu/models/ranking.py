@@ -38,14 +38,14 @@ class RankingRequests:
 
 
 def _request(items, ratings, times, cut, n_pos, n_neg, rng, num_items, max_len):
-    pos = items[cut:cut + n_pos]
+    pos = items[cut : cut + n_pos]
     seen = set(items.tolist())
     neg = []
     while len(neg) < n_neg:
         x = int(rng.integers(1, num_items + 1))
         if x not in seen:
             neg.append(x)
-    r = ratings[cut:cut + n_pos]
+    r = ratings[cut : cut + n_pos]
     lab_pos = np.stack([np.ones(len(pos)), r >= 4, r >= 5], axis=1)
     cand = np.concatenate([pos, np.array(neg, dtype=np.int64)])
     labels = np.concatenate([lab_pos, np.zeros((n_neg, 3))]).astype(np.float32)
@@ -58,8 +58,9 @@ def min_events(n_pos: int = 5) -> int:
     return 3 * n_pos + 2
 
 
-def make_requests(seqs, split: str, n_pos: int = 5, n_neg: int = 5, per_user: int = 2, max_len: int = 200,
-                  seed: int = 0) -> RankingRequests:
+def make_requests(
+    seqs, split: str, n_pos: int = 5, n_neg: int = 5, per_user: int = 2, max_len: int = 200, seed: int = 0
+) -> RankingRequests:
     """``test``: each user's last ``n_pos`` events; ``valid``: the ``n_pos`` before them;
     ``train``: ``per_user`` random cut points that end before the validation window. Users with fewer than
     ``min_events(n_pos)`` events or fewer than ``n_neg`` unseen items give no request."""
@@ -94,8 +95,19 @@ class RankingBatch:
     labels: torch.Tensor
 
     def to(self, device) -> RankingBatch:
-        return RankingBatch(*(t.to(device) for t in (self.hist_items, self.hist_times, self.hist_offsets,
-                                                      self.cand_items, self.cand_offsets, self.labels)))
+        return RankingBatch(
+            *(
+                t.to(device)
+                for t in (
+                    self.hist_items,
+                    self.hist_times,
+                    self.hist_offsets,
+                    self.cand_items,
+                    self.cand_offsets,
+                    self.labels,
+                )
+            )
+        )
 
     def inputs(self) -> tuple[torch.Tensor, ...]:
         """The arguments of ``OneRankModel.forward``."""
@@ -104,6 +116,7 @@ class RankingBatch:
 
 def collate(req: RankingRequests, idx: list[int]) -> RankingBatch:
     """The requests ``idx`` of ``req`` as one ``RankingBatch`` (CPU tensors)."""
+
     def offsets(lists):
         return torch.tensor(np.concatenate([[0], np.cumsum([len(x) for x in lists])]).astype(np.int64))
 
@@ -112,14 +125,29 @@ def collate(req: RankingRequests, idx: list[int]) -> RankingBatch:
 
     hist = [req.hist_items[i] for i in idx]
     cand = [req.cand_items[i] for i in idx]
-    return RankingBatch(cat(hist), cat([req.hist_times[i] for i in idx]), offsets(hist), cat(cand), offsets(cand),
-                        cat([req.labels[i] for i in idx]))
+    return RankingBatch(
+        cat(hist),
+        cat([req.hist_times[i] for i in idx]),
+        offsets(hist),
+        cat(cand),
+        offsets(cand),
+        cat([req.labels[i] for i in idx]),
+    )
 
 
 class OneRankModel(nn.Module):
-    def __init__(self, num_items: int, dim: int = 64, layers: int = 2, heads: int = 2, max_len: int = 200,
-                 task_tokens: bool = True, dropout: float = 0.2, kernel: Kernel = Kernel.AUTO,
-                 items: nn.Module | None = None):
+    def __init__(
+        self,
+        num_items: int,
+        dim: int = 64,
+        layers: int = 2,
+        heads: int = 2,
+        max_len: int = 200,
+        task_tokens: bool = True,
+        dropout: float = 0.2,
+        kernel: Kernel = Kernel.AUTO,
+        items: nn.Module | None = None,
+    ):
         super().__init__()
         k = len(TASKS)
         self.encoder = item_encoder(num_items, dim, max_len, items)
@@ -134,8 +162,15 @@ class OneRankModel(nn.Module):
         """Tokens per candidate: the candidate and its task tokens (1 in the ablation)."""
         return self.tokenizer.group_size
 
-    def forward(self, hist_items: torch.Tensor, hist_times: torch.Tensor, hist_offsets: torch.Tensor,
-                cand_items: torch.Tensor, cand_offsets: torch.Tensor, max_seq_len: int | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        hist_items: torch.Tensor,
+        hist_times: torch.Tensor,
+        hist_offsets: torch.Tensor,
+        cand_items: torch.Tensor,
+        cand_offsets: torch.Tensor,
+        max_seq_len: int | None = None,
+    ) -> torch.Tensor:
         """Scores ``(C, len(TASKS))`` of candidates ``cand_items (C,)`` (jagged by ``cand_offsets (B + 1,)``)
         after histories ``hist_items, hist_times (T_h,)`` (jagged by ``hist_offsets (B + 1,)``).
 
@@ -163,8 +198,14 @@ class OneRankModel(nn.Module):
         return self.head(z)
 
     @torch.no_grad()
-    def cache_histories(self, cache: HistoryCache, users: Sequence[Hashable], hist_items: torch.Tensor,
-                        hist_times: torch.Tensor, hist_offsets: torch.Tensor) -> None:
+    def cache_histories(
+        self,
+        cache: HistoryCache,
+        users: Sequence[Hashable],
+        hist_items: torch.Tensor,
+        hist_times: torch.Tensor,
+        hist_offsets: torch.Tensor,
+    ) -> None:
         """Compute and store the users' history K/V (``hist_* (T_h,)`` jagged by ``hist_offsets (B + 1,)``).
 
         Positions are counted back from a history's end, so a grown history changes every row's input:
@@ -174,9 +215,15 @@ class OneRankModel(nn.Module):
         serving.prefill(self.stack, cache, users, x, hist_offsets)
 
     @torch.no_grad()
-    def score_cached(self, cache: HistoryCache, users: Sequence[Hashable], cand_items: torch.Tensor,
-                     cand_offsets: torch.Tensor, micro_batch: int | None = None,
-                     cuda_graphs: bool | None = None) -> torch.Tensor:
+    def score_cached(
+        self,
+        cache: HistoryCache,
+        users: Sequence[Hashable],
+        cand_items: torch.Tensor,
+        cand_offsets: torch.Tensor,
+        micro_batch: int | None = None,
+        cuda_graphs: bool | None = None,
+    ) -> torch.Tensor:
         """Scores ``(C, len(TASKS))`` of candidates ``cand_items (C,)`` (jagged by ``cand_offsets (B + 1,)``, one
         sequence per user) against the users' cached histories, ``micro_batch`` candidates per user at a time
         (None: all). Each micro-batch is one delta call per layer; groups never see each other, so the scores
@@ -191,17 +238,28 @@ class OneRankModel(nn.Module):
             raise bad_value("users", f"one user per candidate sequence ({cand_offsets.numel() - 1})", len(users))
         batches = serving.micro_batches(cand_offsets, micro_batch, total=cand_items.shape[0])
         if cuda_graphs and not cand_items.is_cuda:
-            raise bad_value("cuda_graphs", "False or None for candidates on the CPU (CUDA graphs need CUDA tensors)",
-                            f"True with cand_items on {cand_items.device}")
+            raise bad_value(
+                "cuda_graphs",
+                "False or None for candidates on the CPU (CUDA graphs need CUDA tensors)",
+                f"True with cand_items on {cand_items.device}",
+            )
         if cuda_graphs:
             reason = self._no_graph_reason(cand_items.device)
             if reason:
-                raise bad_value("cuda_graphs", "False or None here (a captured micro-batch must run the Triton "
-                                "kernels: the PyTorch reference reads sizes on the host)", f"True, but {reason}")
+                raise bad_value(
+                    "cuda_graphs",
+                    "False or None here (a captured micro-batch must run the Triton "
+                    "kernels: the PyTorch reference reads sizes on the host)",
+                    f"True, but {reason}",
+                )
         if cuda_graphs is None:
             widest = self.group_size * max((sum(mb.counts) for mb in batches), default=0)
-            cuda_graphs = (cand_items.is_cuda and len(batches) >= 3 and widest <= serving.GRAPH_MAX_ROWS
-                           and self._no_graph_reason(cand_items.device) is None)
+            cuda_graphs = (
+                cand_items.is_cuda
+                and len(batches) >= 3
+                and widest <= serving.GRAPH_MAX_ROWS
+                and self._no_graph_reason(cand_items.device) is None
+            )
         # Room after each history for a micro-batch's rows: the histories are laid out once per request.
         room = self.group_size * max((max(mb.counts) for mb in batches), default=0)
         history = cache.gather(users, room=room)
@@ -211,15 +269,22 @@ class OneRankModel(nn.Module):
             n = max((mb.counts[b] for mb in batches), default=0)
             if length + self.group_size * n > cache.max_seq_len:
                 fits = max((cache.max_seq_len - length) // self.group_size, 0)
-                raise bad_value("micro_batch", f"at most {fits} candidates of user {users[b]!r} at a time (its "
-                                f"history of {length} rows and {self.group_size} rows per candidate within the "
-                                f"cache's max_seq_len {cache.max_seq_len})", f"{micro_batch} ({n} at once)")
+                raise bad_value(
+                    "micro_batch",
+                    f"at most {fits} candidates of user {users[b]!r} at a time (its "
+                    f"history of {length} rows and {self.group_size} rows per candidate within the "
+                    f"cache's max_seq_len {cache.max_seq_len})",
+                    f"{micro_batch} ({n} at once)",
+                )
         graphs = serving.MicroBatchGraphs(self, history, cache.max_seq_len) if cuda_graphs else None
         scores = self.head.bias.new_zeros(cand_items.shape[0], len(TASKS))
         for mb in batches:
             items = cand_items[mb.index]
-            out = (graphs(items, mb.counts_tensor, mb.counts) if graphs else
-                   self.score_micro_batch(history, items, mb.counts_tensor, cache.max_seq_len))
+            out = (
+                graphs(items, mb.counts_tensor, mb.counts)
+                if graphs
+                else self.score_micro_batch(history, items, mb.counts_tensor, cache.max_seq_len)
+            )
             scores = scores.index_copy(0, mb.index, out)
         return scores
 
@@ -235,8 +300,9 @@ class OneRankModel(nn.Module):
         v = torch.empty(0, cfg.num_heads, cfg.hidden_dim, device=device, dtype=dtype)
         return triton_unsupported_reason(q, v, FixedRule(), 0.0)
 
-    def score_micro_batch(self, history: JaggedHistory, cand_items: torch.Tensor, counts: list[int] | torch.Tensor,
-                          max_seq_len: int) -> torch.Tensor:
+    def score_micro_batch(
+        self, history: JaggedHistory, cand_items: torch.Tensor, counts: list[int] | torch.Tensor, max_seq_len: int
+    ) -> torch.Tensor:
         """Scores ``(c, len(TASKS))`` of ``cand_items (c,)``, ``counts[b]`` of them for user ``b`` of ``history``.
         Sync-free when ``counts`` is a device tensor (the exported program takes it so)."""
         g = self.group_size
@@ -250,8 +316,9 @@ class OneRankModel(nn.Module):
             mask = lambda offs, total: {"attn_func": masks.onerank(offs, nt, g, total=total)}
         else:
             mask = lambda offs, total: {"num_targets": nt}
-        out, _, _ = serving.stack_delta(self.stack, groups.reshape(-1, cand.shape[1]), history, new_offsets,
-                                        max_seq_len=max_seq_len, mask=mask)
+        out, _, _ = serving.stack_delta(
+            self.stack, groups.reshape(-1, cand.shape[1]), history, new_offsets, max_seq_len=max_seq_len, mask=mask
+        )
         out = out.reshape(-1, g, cand.shape[1])
         z = out[:, 1:] if self.task_tokens else out[:, :1].expand(-1, len(TASKS), -1)
         return self.head(z)
@@ -259,5 +326,7 @@ class OneRankModel(nn.Module):
 
 def _check_eval(model: nn.Module) -> None:
     if model.training:
-        raise RuntimeError(f"{type(model).__name__}: expected eval mode for cached scoring (call .eval(): the "
-                           "cache path has no dropout), got training mode")
+        raise RuntimeError(
+            f"{type(model).__name__}: expected eval mode for cached scoring (call .eval(): the "
+            "cache path has no dropout), got training mode"
+        )

@@ -38,8 +38,14 @@ def check_heads(dim: int, heads: int) -> None:
 def stu_config(dim: int, heads: int, dropout: float, kernel: Kernel) -> STULayerConfig:
     """STU layers of width ``dim`` whose heads split it evenly (``dim // heads`` per head for q, k, u and v)."""
     check_heads(dim, heads)
-    return STULayerConfig(embedding_dim=dim, num_heads=heads, attention_dim=dim // heads, hidden_dim=dim // heads,
-                          dropout=dropout, kernel=kernel)
+    return STULayerConfig(
+        embedding_dim=dim,
+        num_heads=heads,
+        attention_dim=dim // heads,
+        hidden_dim=dim // heads,
+        dropout=dropout,
+        kernel=kernel,
+    )
 
 
 @dataclass
@@ -53,8 +59,9 @@ class SeqBatch:
     max_len: int
 
     def to(self, device) -> SeqBatch:
-        return SeqBatch(self.items.to(device), self.times.to(device), self.targets.to(device), self.offsets.to(device),
-                        self.max_len)
+        return SeqBatch(
+            self.items.to(device), self.times.to(device), self.targets.to(device), self.offsets.to(device), self.max_len
+        )
 
 
 def make_batch(items: list[np.ndarray], times: list[np.ndarray], max_len: int, with_targets: bool = True) -> SeqBatch:
@@ -93,8 +100,14 @@ class _Retrieval(nn.Module):
         """``(num_negatives,)`` item ids drawn uniformly from ``generator`` (on its device)."""
         return torch.randint(1, self.encoder.items.weight.shape[0], (num_negatives,), generator=generator)
 
-    def forward(self, batch: SeqBatch, num_negatives: int = 0, generator: torch.Generator | None = None, *,
-                negatives: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        batch: SeqBatch,
+        num_negatives: int = 0,
+        generator: torch.Generator | None = None,
+        *,
+        negatives: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Sampled softmax over the target and ``num_negatives`` uniform negatives shared by the batch, drawn from
         ``generator``; or over the given ``negatives (K,)`` item ids (``sample_negatives``): a generator cannot
         be traced, so a model compiled whole draws its negatives outside.
@@ -108,8 +121,8 @@ class _Retrieval(nn.Module):
         keep = (tgt > 0).to(h.dtype)
         neg = (self.sample_negatives(num_negatives, generator) if negatives is None else negatives).to(h.device)
         rows = F.normalize(self.encoder.items(torch.cat([tgt, neg])), dim=-1)
-        pos_logit = (h * rows[:len(tgt)]).sum(-1, keepdim=True)
-        neg_logit = h @ rows[len(tgt):].T
+        pos_logit = (h * rows[: len(tgt)]).sum(-1, keepdim=True)
+        neg_logit = h @ rows[len(tgt) :].T
         neg_logit = neg_logit.masked_fill(neg[None, :] == tgt[:, None], float("-inf"))  # accidental hits
         logits = torch.cat([pos_logit, neg_logit], dim=1) / self.temperature
         losses = F.cross_entropy(logits, torch.zeros(len(tgt), dtype=torch.long, device=h.device), reduction="none")
@@ -127,9 +140,21 @@ class HSTURetrieval(_Retrieval):
     """``rel_bias``: each layer adds the published relative attention bias (positions up to ``max_len``).
     ``items``: the item table module (default a new ``nn.Embedding``), see ``item_encoder``."""
 
-    def __init__(self, num_items: int, dim: int = 64, layers: int = 2, heads: int = 2, max_len: int = 200,
-                 mask: str = "causal", sla_k1: int = 32, sla_k2: int = 4, dropout: float = 0.2,
-                 kernel: Kernel = Kernel.AUTO, rel_bias: bool = True, items: nn.Module | None = None):
+    def __init__(
+        self,
+        num_items: int,
+        dim: int = 64,
+        layers: int = 2,
+        heads: int = 2,
+        max_len: int = 200,
+        mask: str = "causal",
+        sla_k1: int = 32,
+        sla_k2: int = 4,
+        dropout: float = 0.2,
+        kernel: Kernel = Kernel.AUTO,
+        rel_bias: bool = True,
+        items: nn.Module | None = None,
+    ):
         if mask not in ("causal", "sla"):
             raise bad_value("mask", "'causal' or 'sla'", repr(mask))
         super().__init__(item_encoder(num_items, dim, max_len, items))
@@ -161,8 +186,9 @@ class HSTURetrieval(_Retrieval):
         serving.prefill(self.stack, cache, users, x, batch.offsets, mask=self._history_mask)
 
     @torch.no_grad()
-    def score_cached(self, cache: HistoryCache, users: Sequence[Hashable], cand_items: torch.Tensor,
-                     cand_offsets: torch.Tensor) -> torch.Tensor:
+    def score_cached(
+        self, cache: HistoryCache, users: Sequence[Hashable], cand_items: torch.Tensor, cand_offsets: torch.Tensor
+    ) -> torch.Tensor:
         """Next-item scores ``(C,)`` of candidates ``cand_items (C,)`` (jagged by ``cand_offsets (B + 1,)``):
         cosine of each user's cached last state with the item, as ``scores`` computes it for every item.
         The candidates are read out, not attended, so no attention runs at request time."""
@@ -174,8 +200,11 @@ class HSTURetrieval(_Retrieval):
         last = cache.last(users)
         empty = [u for u, h in zip(users, last) if h is None]
         if empty:
-            raise bad_value("users", "users with a non-empty cached history (the state is the last row's)",
-                            f"{empty[0]!r} with none")
+            raise bad_value(
+                "users",
+                "users with a non-empty cached history (the state is the last row's)",
+                f"{empty[0]!r} with none",
+            )
         h = F.normalize(torch.stack(last), dim=-1)
         # Each candidate's user by search: in bounds whatever the offsets hold (their values are read only on the
         # CPU: no sync per request on CUDA).
@@ -186,8 +215,16 @@ class HSTURetrieval(_Retrieval):
 class SASRecRetrieval(_Retrieval):
     """Softmax self-attention (pre-norm transformer, causal) with the same embeddings and size."""
 
-    def __init__(self, num_items: int, dim: int = 64, layers: int = 2, heads: int = 2, max_len: int = 200,
-                 dropout: float = 0.2, items: nn.Module | None = None):
+    def __init__(
+        self,
+        num_items: int,
+        dim: int = 64,
+        layers: int = 2,
+        heads: int = 2,
+        max_len: int = 200,
+        dropout: float = 0.2,
+        items: nn.Module | None = None,
+    ):
         check_heads(dim, heads)
         super().__init__(item_encoder(num_items, dim, max_len, items))
         layer = nn.TransformerEncoderLayer(dim, heads, 2 * dim, dropout, batch_first=True, norm_first=True)

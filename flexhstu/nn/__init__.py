@@ -5,5 +5,15 @@ from .learned_bias import RelativeTimePositionBias
 from .onerank import OneRankBatch, OneRankHead, OneRankTokenizer, onerank_loss
 from .stu import STULayer, STULayerConfig, STUStack
 
-__all__ = ["InputEncoder", "OneRankBatch", "OneRankHead", "OneRankTokenizer", "RelativeTimePositionBias", "STULayer",
-           "STULayerConfig", "STUStack", "onerank_loss", "time_gap_buckets"]
+__all__ = [
+    "InputEncoder",
+    "OneRankBatch",
+    "OneRankHead",
+    "OneRankTokenizer",
+    "RelativeTimePositionBias",
+    "STULayer",
+    "STULayerConfig",
+    "STUStack",
+    "onerank_loss",
+    "time_gap_buckets",
+]

@@ -21,8 +21,7 @@ def check_item_ids(ids: object, table: nn.Module, arg: str = "item_ids") -> None
     if rows is not None and ids.numel() and can_read_values(ids):
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= rows:
-            raise bad_value(arg, f"item ids from 1 to num_items = {rows - 1} (0: padding)",
-                            lo if lo < 0 else hi)
+            raise bad_value(arg, f"item ids from 1 to num_items = {rows - 1} (0: padding)", lo if lo < 0 else hi)
 
 
 def time_gap_buckets(timestamps: torch.Tensor, seq_offsets: torch.Tensor, num_buckets: int) -> torch.Tensor:
@@ -51,8 +50,9 @@ class InputEncoder(nn.Module):
     def forward(self, item_ids: torch.Tensor, timestamps: torch.Tensor, seq_offsets: torch.Tensor) -> torch.Tensor:
         check_item_ids(item_ids, self.items)
         if timestamps.shape != item_ids.shape:
-            raise bad_value("timestamps", f"one time per item, shape {tuple(item_ids.shape)}",
-                            f"shape {tuple(timestamps.shape)}")
+            raise bad_value(
+                "timestamps", f"one time per item, shape {tuple(item_ids.shape)}", f"shape {tuple(timestamps.shape)}"
+            )
         _, i, length = row_coords(seq_offsets, item_ids.numel())
         back = (length - 1 - i).clamp(0, self.max_len - 1)
         gaps = time_gap_buckets(timestamps, seq_offsets, self.num_time_buckets)

@@ -36,8 +36,9 @@ class OneRankTokenizer(nn.Module):
     def group_size(self) -> int:
         return self.tasks.shape[0] + 1
 
-    def forward(self, history: torch.Tensor, hist_offsets: torch.Tensor, candidates: torch.Tensor,
-                cand_offsets: torch.Tensor) -> OneRankBatch:
+    def forward(
+        self, history: torch.Tensor, hist_offsets: torch.Tensor, candidates: torch.Tensor, cand_offsets: torch.Tensor
+    ) -> OneRankBatch:
         """history ``(T_h, D)`` jagged by ``hist_offsets``; candidates ``(C, D)`` jagged by ``cand_offsets``
         (N_b each)."""
         g = self.group_size
@@ -47,8 +48,9 @@ class OneRankTokenizer(nn.Module):
             if can_read_values(offs):
                 check_offsets_values(offs, arg, total=rows.shape[0])
         if hist_offsets.numel() != cand_offsets.numel():
-            raise bad_value("cand_offsets", f"one sequence per history ({hist_offsets.numel() - 1})",
-                            cand_offsets.numel() - 1)
+            raise bad_value(
+                "cand_offsets", f"one sequence per history ({hist_offsets.numel() - 1})", cand_offsets.numel() - 1
+            )
         hist_offsets = hist_offsets.to(torch.int64)
         cand_offsets = cand_offsets.to(torch.int64)
         offsets = hist_offsets + cand_offsets * g
@@ -89,8 +91,9 @@ class OneRankHead(nn.Module):
         return (z * self.readout).sum(-1) / z.shape[-1] ** 0.5 + self.bias
 
 
-def onerank_loss(scores: torch.Tensor, labels: torch.Tensor, cand_offsets: torch.Tensor,
-                 temperature: float = 1.0) -> torch.Tensor:
+def onerank_loss(
+    scores: torch.Tensor, labels: torch.Tensor, cand_offsets: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
     """Per-task binary cross-entropy plus per-request, per-task list-wise InfoNCE.
 
     scores, labels: ``(C, K)``. InfoNCE for a request and task averages, over its positives,
@@ -102,7 +105,7 @@ def onerank_loss(scores: torch.Tensor, labels: torch.Tensor, cand_offsets: torch
     nce_terms = []
     offs = cand_offsets.tolist()
     for b in range(len(offs) - 1):
-        sb, lb = s[offs[b]:offs[b + 1]], labels[offs[b]:offs[b + 1]].bool()
+        sb, lb = s[offs[b] : offs[b + 1]], labels[offs[b] : offs[b + 1]].bool()
         for t in range(scores.shape[1]):
             pos, neg = sb[lb[:, t], t], sb[~lb[:, t], t]
             if pos.numel() == 0 or neg.numel() == 0:

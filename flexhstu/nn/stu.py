@@ -68,14 +68,21 @@ class STULayerConfig:
         if not isinstance(self.rel_bias, bool):
             raise bad_type("rel_bias", "a bool", type(self.rel_bias).__name__)
         if self.rel_bias and (not _is_int(self.rel_bias_max_len) or self.rel_bias_max_len < 1):
-            raise bad_value("rel_bias_max_len", "a positive int (the longest sequence) with rel_bias",
-                            self.rel_bias_max_len)
+            raise bad_value(
+                "rel_bias_max_len", "a positive int (the longest sequence) with rel_bias", self.rel_bias_max_len
+            )
         if not _is_int(self.rel_bias_buckets) or self.rel_bias_buckets < 0:
             raise bad_value("rel_bias_buckets", "a non-negative int", self.rel_bias_buckets)
 
 
-def check_rows(x: object, dim: int, dtypes: tuple[torch.dtype, ...] = (), device: torch.device | None = None,
-               autocast_ok: bool = True, arg: str = "x") -> None:
+def check_rows(
+    x: object,
+    dim: int,
+    dtypes: tuple[torch.dtype, ...] = (),
+    device: torch.device | None = None,
+    autocast_ok: bool = True,
+    arg: str = "x",
+) -> None:
     """``x`` must be a ``(total, dim)`` tensor; with ``dtypes``, floating and of one of them (any floating dtype
     under autocast when ``autocast_ok``, autocast casting inside); with ``device``, on it. A clear error here,
     not a shape or dtype error deep in a norm or a matmul (metadata only, no device read)."""
@@ -125,13 +132,20 @@ class STULayer(nn.Module):
             return False
         return x.is_cuda if self.cfg.compile is None else self.cfg.compile
 
-    def forward(self, x: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int,
-                timestamps: torch.Tensor | None = None, **mask_kwargs) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        seq_offsets: torch.Tensor,
+        max_seq_len: int,
+        timestamps: torch.Tensor | None = None,
+        **mask_kwargs,
+    ) -> torch.Tensor:
         check_rows(x, self.cfg.embedding_dim, (self.uvqk.weight.dtype, self.norm.weight.dtype), self.uvqk.weight.device)
         if self.rel_bias is not None:
             if timestamps is None:
-                raise bad_value("timestamps", "the (total,) event times (this layer has a relative attention bias)",
-                                None)
+                raise bad_value(
+                    "timestamps", "the (total,) event times (this layer has a relative attention bias)", None
+                )
             mask_kwargs = {**mask_kwargs, "rel_bias": self.rel_bias(timestamps)}
         compiles = self.compiles(x)
         if compiles and not self.cfg.recompute:
@@ -142,8 +156,9 @@ class STULayer(nn.Module):
         bodies = compiled_bodies(self.cfg.compile_backend) if compiles else EAGER
         return self.body(x, seq_offsets, max_seq_len, mask_kwargs, bodies)
 
-    def body(self, x: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int, mask_kwargs: dict,
-             bodies=EAGER) -> torch.Tensor:
+    def body(
+        self, x: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int, mask_kwargs: dict, bodies=EAGER
+    ) -> torch.Tensor:
         """The layer: the lean functions (running ``bodies``) when ``cfg.recompute``, else plain autograd."""
         cfg = self.cfg
         h, da, dh = cfg.num_heads, cfg.attention_dim, cfg.hidden_dim
@@ -151,16 +166,36 @@ class STULayer(nn.Module):
         p = cfg.dropout if self.training else 0.0
         keep = dropout_keep((x.shape[0], h * dh), p, x.device) if p > 0.0 else None
         if cfg.recompute:
-            u, v, q, k = NormLinear.apply(x, self.norm.weight, self.norm.bias, self.uvqk.weight, self.uvqk.bias,
-                                          self.norm.eps, sizes, bodies)
+            u, v, q, k = NormLinear.apply(
+                x, self.norm.weight, self.norm.bias, self.uvqk.weight, self.uvqk.bias, self.norm.eps, sizes, bodies
+            )
         else:
             u, v, q, k = torch.split(self.uvqk(self.norm(x)), sizes, dim=-1)
         # q, k, v stay views of the projection's output: the attention saves them without a copy.
-        a = hstu_mha(max_seq_len, None, q.reshape(-1, h, da), k.reshape(-1, h, da), v.reshape(-1, h, dh), seq_offsets,
-                     kernel=cfg.kernel, **mask_kwargs).reshape(-1, h * dh)
+        a = hstu_mha(
+            max_seq_len,
+            None,
+            q.reshape(-1, h, da),
+            k.reshape(-1, h, da),
+            v.reshape(-1, h, dh),
+            seq_offsets,
+            kernel=cfg.kernel,
+            **mask_kwargs,
+        ).reshape(-1, h * dh)
         if cfg.recompute:
-            return GatedOutput.apply(x, u, a, self.attn_norm.weight, self.attn_norm.bias, self.out.weight,
-                                     self.out.bias, self.attn_norm.eps, keep, p, bodies)
+            return GatedOutput.apply(
+                x,
+                u,
+                a,
+                self.attn_norm.weight,
+                self.attn_norm.bias,
+                self.out.weight,
+                self.out.bias,
+                self.attn_norm.eps,
+                keep,
+                p,
+                bodies,
+            )
         su = F.silu(u)
         y = gate(su, self.attn_norm(a), keep, p)
         return x + self.out(torch.cat([su, a, y], dim=-1))
@@ -176,8 +211,9 @@ def _compiled_body(backend: str):
     return torch.compile(_run_body, backend=backend)
 
 
-MASK_ARGS = frozenset({"attn_func", "num_targets", "causal", "max_attn_len", "contextual_seq_len",
-                       "min_full_attn_seq_len"})
+MASK_ARGS = frozenset(
+    {"attn_func", "num_targets", "causal", "max_attn_len", "contextual_seq_len", "min_full_attn_seq_len"}
+)
 """The mask arguments ``STUStack.forward`` passes to ``build_plan`` and to every layer's ``hstu_mha``."""
 
 
@@ -198,20 +234,30 @@ class STUStack(nn.Module):
         self.layers = nn.ModuleList(STULayer(cfg) for _ in range(as_int("num_layers", num_layers)))
         self.norm = nn.LayerNorm(cfg.embedding_dim)
 
-    def forward(self, x: torch.Tensor, seq_offsets: torch.Tensor, max_seq_len: int,
-                timestamps: torch.Tensor | None = None, *, attn_plan: AttnPlan | None = None,
-                sparse: bool | None = None, attn_scale: torch.Tensor | None = None, **mask_kwargs) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        seq_offsets: torch.Tensor,
+        max_seq_len: int,
+        timestamps: torch.Tensor | None = None,
+        *,
+        attn_plan: AttnPlan | None = None,
+        sparse: bool | None = None,
+        attn_scale: torch.Tensor | None = None,
+        **mask_kwargs,
+    ) -> torch.Tensor:
         check_rows(x, self.norm.normalized_shape[0])  # dtype and device in each layer (FSDP casts per layer)
         unknown = sorted(set(mask_kwargs) - MASK_ARGS)
         if unknown:  # else build_plan's own TypeError, naming a function the caller never called
-            raise bad_type(unknown[0], f"one of STUStack.forward's mask arguments {sorted(MASK_ARGS)}", "an unknown "
-                           "keyword")
+            raise bad_type(
+                unknown[0], f"one of STUStack.forward's mask arguments {sorted(MASK_ARGS)}", "an unknown keyword"
+            )
         if attn_plan is not None and sparse is not None:
-            raise bad_value("sparse", "None when attn_plan is given (the plan's tiles are chosen when it is built)",
-                            sparse)
+            raise bad_value(
+                "sparse", "None when attn_plan is given (the plan's tiles are chosen when it is built)", sparse
+            )
         if attn_plan is None:
-            attn_plan = build_plan(seq_offsets, total=x.shape[0], max_seq_len=max_seq_len, sparse=sparse,
-                                   **mask_kwargs)
+            attn_plan = build_plan(seq_offsets, total=x.shape[0], max_seq_len=max_seq_len, sparse=sparse, **mask_kwargs)
         if attn_scale is not None:
             mask_kwargs = {**mask_kwargs, "attn_scale": attn_scale}
         for layer in self.layers:

@@ -45,8 +45,9 @@ def norm_linear_forward(x, norm_weight, norm_bias, weight, bias, eps: float):
     return F.linear(xn, weight, bias), mean, rstd
 
 
-def norm_linear_backward(grads: list[torch.Tensor], x, mean, rstd, norm_weight, norm_bias, weight, eps: float,
-                         sizes: list[int]):
+def norm_linear_backward(
+    grads: list[torch.Tensor], x, mean, rstd, norm_weight, norm_bias, weight, eps: float, sizes: list[int]
+):
     """Gradients of ``norm_linear_forward`` from one gradient per output piece (``sizes`` columns each)."""
     w_parts = torch.split(weight, sizes, dim=0)
     d_xn = grads[0] @ w_parts[0]
@@ -55,7 +56,8 @@ def norm_linear_backward(grads: list[torch.Tensor], x, mean, rstd, norm_weight, 
     d_weight = _norm_linear_weight_grad(grads, x, norm_weight, norm_bias, eps)
     d_bias = torch.cat([g.sum(0) for g in grads])
     dx, d_norm_weight, d_norm_bias = torch.ops.aten.native_layer_norm_backward(
-        d_xn, x, [x.shape[-1]], mean, rstd, norm_weight, norm_bias, [True, True, True])
+        d_xn, x, [x.shape[-1]], mean, rstd, norm_weight, norm_bias, [True, True, True]
+    )
     return dx, d_norm_weight, d_norm_bias, d_weight, d_bias
 
 
@@ -78,7 +80,8 @@ def gated_output_backward(g, u, a, mean, rstd, norm_weight, norm_bias, weight, e
     """Gradients of ``gated_output_forward`` for u, a, the norm's weight and bias, and the linear's weight and bias."""
     d_u, d_an, d_weight = _through_gate(g, u, a, norm_weight, norm_bias, weight, eps, keep, p)
     da, d_norm_weight, d_norm_bias = torch.ops.aten.native_layer_norm_backward(
-        d_an, a, [u.shape[-1]], mean, rstd, norm_weight, norm_bias, [True, True, True])
+        d_an, a, [u.shape[-1]], mean, rstd, norm_weight, norm_bias, [True, True, True]
+    )
     w_a = torch.split(weight, u.shape[-1], dim=1)[1]
     return d_u, torch.addmm(da, g, w_a), d_norm_weight, d_norm_bias, d_weight, g.sum(0)
 
@@ -130,8 +133,14 @@ class NormLinear(torch.autograd.Function):
     def backward(ctx, *grads):
         # Pieces with no gradient arrive as zeros (autograd materialises them for Functions by default).
         x, mean, rstd, norm_weight, norm_bias, weight = ctx.saved_tensors
-        return *ctx.bodies.norm_linear_backward(list(grads), x, mean, rstd, norm_weight, norm_bias, weight, ctx.eps,
-                                                ctx.sizes), None, None, None
+        return (
+            *ctx.bodies.norm_linear_backward(
+                list(grads), x, mean, rstd, norm_weight, norm_bias, weight, ctx.eps, ctx.sizes
+            ),
+            None,
+            None,
+            None,
+        )
 
 
 class GatedOutput(torch.autograd.Function):
@@ -150,6 +159,7 @@ class GatedOutput(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         u, a, mean, rstd, norm_weight, norm_bias, weight, keep = ctx.saved_tensors
-        grads = ctx.bodies.gated_output_backward(g, u, a, mean, rstd, norm_weight, norm_bias, weight, ctx.eps, keep,
-                                                 ctx.p)
+        grads = ctx.bodies.gated_output_backward(
+            g, u, a, mean, rstd, norm_weight, norm_bias, weight, ctx.eps, keep, ctx.p
+        )
         return g, *grads, None, None, None, None

@@ -25,8 +25,13 @@ TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def triton_unsupported_reason(
-    q: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | FixedRule, dropout_pr: float, *,
-    attn_scale: torch.Tensor | None = None, bias: object = None,
+    q: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | FixedRule,
+    dropout_pr: float,
+    *,
+    attn_scale: torch.Tensor | None = None,
+    bias: object = None,
 ) -> str | None:
     """Why the Triton kernels cannot run this call, as ``arg: expected X, got Y``; None when they can.
 
@@ -44,8 +49,10 @@ def triton_unsupported_reason(
         return f"q.dtype: expected float16, bfloat16 or float32 for Kernel.TRITON, got {q.dtype}"
     if q.dtype == torch.bfloat16 and not q.is_cuda:
         # Triton's interpreter computes tl.dot on bfloat16 tiles wrongly (outputs off by orders of magnitude).
-        return ("q.dtype: expected float16 or float32 for Kernel.TRITON on the CPU (Triton's interpreter gets "
-                "bfloat16 dots wrong; Kernel.PYTORCH runs it), got torch.bfloat16")
+        return (
+            "q.dtype: expected float16 or float32 for Kernel.TRITON on the CPU (Triton's interpreter gets "
+            "bfloat16 dots wrong; Kernel.PYTORCH runs it), got torch.bfloat16"
+        )
     for name, d in (("q.shape[2] (Dqk)", q.shape[2]), ("v.shape[2] (Dv)", v.shape[2])):
         if not head_dim_supported(d):
             return f"{name}: expected a head dim from {MIN_HEAD_DIM} to {MAX_HEAD_DIM} for Kernel.TRITON, got {d}"
@@ -57,8 +64,10 @@ def triton_unsupported_reason(
             "gradient; Kernel.PYTORCH does), got requires_grad=True"
         )
     if isinstance(bias, torch.Tensor):
-        return (f"rab: expected None for Kernel.TRITON (the kernels compute the relative bias from its tables: "
-                f"pass rel_bias), got {tuple(bias.shape)}")
+        return (
+            f"rab: expected None for Kernel.TRITON (the kernels compute the relative bias from its tables: "
+            f"pass rel_bias), got {tuple(bias.shape)}"
+        )
     if isinstance(mask, FixedRule) and not mask.causal:
         used = {
             "num_targets": mask.num_targets is not None,

@@ -107,21 +107,42 @@ def delta_hstu_mha(
         if batch == 0 and delta_q.shape[0]:
             raise bad_value("delta_q.shape[0]", "0 (seq_offsets holds no sequence)", delta_q.shape[0])
         if batch and delta_q.shape[0] % batch:
-            raise bad_value("delta_q.shape[0]", f"a multiple of the batch size {batch} (last rows of each sequence)",
-                            delta_q.shape[0])
+            raise bad_value(
+                "delta_q.shape[0]",
+                f"a multiple of the batch size {batch} (last rows of each sequence)",
+                delta_q.shape[0],
+            )
         q_offsets, q_start = last_rows_offsets(seq_offsets, delta_q.shape[0] // max(batch, 1))
     _check_query_layout(q_offsets, q_start, batch)
     if kv_lengths is not None:
         _check_per_sequence(kv_lengths, "kv_lengths", batch, "rows used in each slot")
-    _check_same_device(delta_q, k=k, v=v, seq_offsets=seq_offsets, q_offsets=q_offsets, q_start=q_start,
-                       num_targets=num_targets, attn_func=attn_func, kv_lengths=kv_lengths)
+    _check_same_device(
+        delta_q,
+        k=k,
+        v=v,
+        seq_offsets=seq_offsets,
+        q_offsets=q_offsets,
+        q_start=q_start,
+        num_targets=num_targets,
+        attn_func=attn_func,
+        kv_lengths=kv_lengths,
+    )
     max_seq_len = as_int("max_seq_len", max_seq_len)
     rule = _checked_rule(FixedRule(True, num_targets, max_attn_len, contextual_seq_len, min_full_attn_seq_len), batch)
     if attn_func is not None:
         _check_func_alone(attn_func, rule, delta_q)
     if can_read_values(seq_offsets):
-        _check_values_on_host(seq_offsets, q_offsets, q_start, k.shape[0], delta_q.shape[0], max_seq_len, num_targets,
-                              kv_lengths, last_rows)
+        _check_values_on_host(
+            seq_offsets,
+            q_offsets,
+            q_start,
+            k.shape[0],
+            delta_q.shape[0],
+            max_seq_len,
+            num_targets,
+            kv_lengths,
+            last_rows,
+        )
     elif torch.compiler.is_compiling() and not torch.compiler.is_exporting():
         # Not in exported programs: AOTInductor runs the graph's kernels on generated inputs while it compiles for
         # CUDA, and these assertions fired on them (H200, 2026-12-03). The exported serving scorer builds its
@@ -137,8 +158,18 @@ def delta_hstu_mha(
     if kv_lengths is not None:  # the reference reads the used rows, packed (one sync: it is the reference)
         seq_offsets, rows = _packed_rows(seq_offsets, kv_lengths)
         k, v = k[rows], v[rows]
-    return pytorch_delta_hstu_mha(delta_q, k, v, seq_offsets, q_offsets, q_start, mask, alpha=alpha,
-                                  scaling_seqlen=scaling, max_seq_len=max_seq_len)
+    return pytorch_delta_hstu_mha(
+        delta_q,
+        k,
+        v,
+        seq_offsets,
+        q_offsets,
+        q_start,
+        mask,
+        alpha=alpha,
+        scaling_seqlen=scaling,
+        max_seq_len=max_seq_len,
+    )
 
 
 def _packed_rows(seq_offsets: torch.Tensor, kv_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,13 +203,25 @@ def _check_forward_only(*xs: torch.Tensor) -> None:
 def _check_query_layout(q_offsets: torch.Tensor, q_start: torch.Tensor, batch: int) -> None:
     check_offsets_meta(q_offsets, "q_offsets")
     if q_offsets.numel() != batch + 1:
-        raise bad_value("q_offsets", f"B + 1 = {batch + 1} offsets (one sequence per seq_offsets entry)",
-                        f"shape {tuple(q_offsets.shape)}")
+        raise bad_value(
+            "q_offsets",
+            f"B + 1 = {batch + 1} offsets (one sequence per seq_offsets entry)",
+            f"shape {tuple(q_offsets.shape)}",
+        )
     _check_per_sequence(q_start, "q_start", batch, "local positions")
 
 
-def _check_values_on_host(seq_offsets, q_offsets, q_start, total_kv: int, total_q: int, max_seq_len: int,
-                          num_targets, kv_lengths=None, last_rows: bool = False) -> None:
+def _check_values_on_host(
+    seq_offsets,
+    q_offsets,
+    q_start,
+    total_kv: int,
+    total_q: int,
+    max_seq_len: int,
+    num_targets,
+    kv_lengths=None,
+    last_rows: bool = False,
+) -> None:
     check_offsets_values(seq_offsets, total=total_kv)
     check_offsets_values(q_offsets, "q_offsets", total=total_q)
     if kv_lengths is not None:  # the used rows of each slot: from here on the sequences are those
@@ -186,8 +229,9 @@ def _check_values_on_host(seq_offsets, q_offsets, q_start, total_kv: int, total_
         bad = (used < 0) | (used > slot)
         if bool(bad.any()):
             b = int(torch.nonzero(bad)[0, 0])
-            raise bad_value(f"kv_lengths[{b}]", f"0 <= kv_lengths <= the slot's rows {int(slot[b])} (seq_offsets)",
-                            int(used[b]))
+            raise bad_value(
+                f"kv_lengths[{b}]", f"0 <= kv_lengths <= the slot's rows {int(slot[b])} (seq_offsets)", int(used[b])
+            )
         seq_offsets = torch.cat([used.new_zeros(1), used.cumsum(0)])
     check_lengths_at_most(seq_offsets, max_seq_len)
     length, nq = lengths_of(seq_offsets).cpu(), lengths_of(q_offsets).cpu()
@@ -196,9 +240,13 @@ def _check_values_on_host(seq_offsets, q_offsets, q_start, total_kv: int, total_
     if bool(bad.any()):
         b = int(torch.nonzero(bad)[0, 0])
         if last_rows:  # q_start was derived: the caller gave delta_q alone
-            raise bad_value("delta_q.shape[0]", f"at most B * (the shortest sequence's rows) = {len(length)} * "
-                            f"{int(length.min())} (the last delta_q.shape[0] / B rows of every sequence; sequence {b} "
-                            f"has {int(length[b])})", total_q)
+            raise bad_value(
+                "delta_q.shape[0]",
+                f"at most B * (the shortest sequence's rows) = {len(length)} * "
+                f"{int(length.min())} (the last delta_q.shape[0] / B rows of every sequence; sequence {b} "
+                f"has {int(length[b])})",
+                total_q,
+            )
         expected = f"0 <= q_start <= L - (query rows) = {int(length[b])} - {int(nq[b])} in sequence {b}"
         raise bad_value(f"q_start[{b}]", expected, int(start[b]))
     if num_targets is not None:
@@ -215,8 +263,10 @@ def _assert_values_on_device(seq_offsets, q_offsets, q_start, total_kv: int, tot
     length = lengths_of(seq_offsets)
     if kv_lengths is not None:
         used = kv_lengths.to(torch.int64)
-        torch._assert_async(((used >= 0) & (used <= length)).all(),
-                            "kv_lengths: expected 0 <= kv_lengths <= the slots' rows (under compile)")
+        torch._assert_async(
+            ((used >= 0) & (used <= length)).all(),
+            "kv_lengths: expected 0 <= kv_lengths <= the slots' rows (under compile)",
+        )
         length = used
     start = q_start.to(torch.int64)
     fits = (start >= 0) & (start + lengths_of(q_offsets) <= length)
@@ -229,8 +279,7 @@ def _choose_backend(kernel: Kernel | str, delta_q: torch.Tensor, v: torch.Tensor
     except ValueError:
         raise bad_value("kernel", f"one of {[k.value for k in Kernel]}", repr(kernel)) from None
     if kernel == Kernel.CUTLASS:
-        raise bad_value("kernel", "Kernel.AUTO, PYTORCH or TRITON for delta_hstu_mha (no CUTLASS delta kernel)",
-                        kernel)
+        raise bad_value("kernel", "Kernel.AUTO, PYTORCH or TRITON for delta_hstu_mha (no CUTLASS delta kernel)", kernel)
     if kernel == Kernel.PYTORCH:
         return kernel
     reason = triton_unsupported_reason(delta_q, v, mask, 0.0)
@@ -241,8 +290,9 @@ def _choose_backend(kernel: Kernel | str, delta_q: torch.Tensor, v: torch.Tensor
     return kernel
 
 
-def _run_triton(delta_q, k, v, seq_offsets, q_offsets, q_start, mask, alpha: float, scaling: float,
-                kv_lengths=None) -> torch.Tensor:
+def _run_triton(
+    delta_q, k, v, seq_offsets, q_offsets, q_start, mask, alpha: float, scaling: float, kv_lengths=None
+) -> torch.Tensor:
     from .triton.delta_op import triton_delta_hstu_mha
 
     common = dict(alpha=alpha, out_scale=1.0 / scaling, kv_lengths=kv_lengths)
@@ -250,6 +300,16 @@ def _run_triton(delta_q, k, v, seq_offsets, q_offsets, q_start, mask, alpha: flo
         return triton_delta_hstu_mha(delta_q, k, v, seq_offsets, q_offsets, q_start, func=mask, **common)
     plain = mask.num_targets is None and mask.max_attn_len == 0 and mask.contextual_seq_len == 0
     return triton_delta_hstu_mha(
-        delta_q, k, v, seq_offsets, q_offsets, q_start, num_targets=mask.num_targets, causal_closed_form=plain,
-        contextual=mask.contextual_seq_len, window=mask.max_attn_len, min_full=mask.min_full_attn_seq_len, **common,
+        delta_q,
+        k,
+        v,
+        seq_offsets,
+        q_offsets,
+        q_start,
+        num_targets=mask.num_targets,
+        causal_closed_form=plain,
+        contextual=mask.contextual_seq_len,
+        window=mask.max_attn_len,
+        min_full=mask.min_full_attn_seq_len,
+        **common,
     )

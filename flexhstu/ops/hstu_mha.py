@@ -116,16 +116,42 @@ def hstu_mha(
     """
     rule = FixedRule(causal, num_targets, max_attn_len, contextual_seq_len, min_full_attn_seq_len)
     call = _checked_call(
-        max_seq_len, alpha, q, k, v, seq_offsets, rule, attn_func, dropout_pr, training, scaling_seqlen, attn_scale,
-        rel_bias, rab, attn_plan,
+        max_seq_len,
+        alpha,
+        q,
+        k,
+        v,
+        seq_offsets,
+        rule,
+        attn_func,
+        dropout_pr,
+        training,
+        scaling_seqlen,
+        attn_scale,
+        rel_bias,
+        rab,
+        attn_plan,
     )
     backend = _choose_backend(kernel, call)
     return _BACKENDS[backend](call)
 
 
 def _checked_call(
-    max_seq_len, alpha, q, k, v, seq_offsets, rule, attn_func, dropout_pr, training, scaling_seqlen, attn_scale,
-    rel_bias, rab, attn_plan,
+    max_seq_len,
+    alpha,
+    q,
+    k,
+    v,
+    seq_offsets,
+    rule,
+    attn_func,
+    dropout_pr,
+    training,
+    scaling_seqlen,
+    attn_scale,
+    rel_bias,
+    rab,
+    attn_plan,
 ) -> _Call:
     _check_qkv(q, k, v)
     check_offsets_meta(seq_offsets)
@@ -289,17 +315,24 @@ def _triton_reason(c: _Call) -> str | None:
 
 def _run_pytorch(c: _Call) -> torch.Tensor:
     return pytorch_hstu_mha(
-        c.q, c.k, c.v, c.seq_offsets, c.mask, alpha=c.alpha, scaling_seqlen=c.scaling, max_seq_len=c.max_seq_len,
-        dropout_pr=c.dropout_pr, attn_scale=c.attn_scale, bias=c.bias,
+        c.q,
+        c.k,
+        c.v,
+        c.seq_offsets,
+        c.mask,
+        alpha=c.alpha,
+        scaling_seqlen=c.scaling,
+        max_seq_len=c.max_seq_len,
+        dropout_pr=c.dropout_pr,
+        attn_scale=c.attn_scale,
+        bias=c.bias,
     )
 
 
 def _run_triton(c: _Call) -> torch.Tensor:
     from .triton import triton_hstu_mha
 
-    common = dict(
-        alpha=c.alpha, out_scale=1.0 / c.scaling, max_seq_len=c.max_seq_len, rel_bias=c.bias, plan=c.plan
-    )
+    common = dict(alpha=c.alpha, out_scale=1.0 / c.scaling, max_seq_len=c.max_seq_len, rel_bias=c.bias, plan=c.plan)
     if c.attn_scale is not None:  # one float32 factor per row, as the kernels read it
         rows = c.attn_scale.to(torch.float32).expand(c.q.shape[0]).contiguous()
         common.update(out_scale=1.0, attn_scale=rows)
@@ -313,8 +346,16 @@ def _run_triton(c: _Call) -> torch.Tensor:
         return triton_hstu_mha(c.q, c.k, c.v, c.seq_offsets, func=length.to(torch.int32)[None, None], **common)
     plain = rule.num_targets is None and rule.max_attn_len == 0 and rule.contextual_seq_len == 0
     return triton_hstu_mha(
-        c.q, c.k, c.v, c.seq_offsets, num_targets=rule.num_targets, causal_closed_form=plain,
-        contextual=rule.contextual_seq_len, window=rule.max_attn_len, min_full=rule.min_full_attn_seq_len, **common,
+        c.q,
+        c.k,
+        c.v,
+        c.seq_offsets,
+        num_targets=rule.num_targets,
+        causal_closed_form=plain,
+        contextual=rule.contextual_seq_len,
+        window=rule.max_attn_len,
+        min_full=rule.min_full_attn_seq_len,
+        **common,
     )
 
 

@@ -26,8 +26,13 @@ def _same_tensor(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     """The same storage, shape and strides (host metadata only: no device read)."""
     if a is None or b is None:
         return a is b
-    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
-            and a.device == b.device and a.dtype == b.dtype)
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.device == b.device
+        and a.dtype == b.dtype
+    )
 
 
 def _version(t: torch.Tensor | None) -> int | None:
@@ -49,8 +54,10 @@ def _describe(mask: torch.Tensor | FixedRule) -> str:
     if isinstance(mask, torch.Tensor):
         return f"attn_func of shape {tuple(mask.shape)} at {mask.data_ptr():#x}"
     nt = "none" if mask.num_targets is None else f"at {mask.num_targets.data_ptr():#x}"
-    return (f"the fixed rule (causal {mask.causal}, num_targets {nt}, max_attn_len {mask.max_attn_len}, "
-            f"contextual_seq_len {mask.contextual_seq_len}, min_full_attn_seq_len {mask.min_full_attn_seq_len})")
+    return (
+        f"the fixed rule (causal {mask.causal}, num_targets {nt}, max_attn_len {mask.max_attn_len}, "
+        f"contextual_seq_len {mask.contextual_seq_len}, min_full_attn_seq_len {mask.min_full_attn_seq_len})"
+    )
 
 
 def _describe_kind(mask: torch.Tensor | FixedRule) -> str:
@@ -58,16 +65,21 @@ def _describe_kind(mask: torch.Tensor | FixedRule) -> str:
     if isinstance(mask, torch.Tensor):
         return "an attn_func"
     nt = "none" if mask.num_targets is None else "a tensor"
-    return (f"the fixed rule (causal {mask.causal}, num_targets {nt}, max_attn_len {mask.max_attn_len}, "
-            f"contextual_seq_len {mask.contextual_seq_len}, min_full_attn_seq_len {mask.min_full_attn_seq_len})")
+    return (
+        f"the fixed rule (causal {mask.causal}, num_targets {nt}, max_attn_len {mask.max_attn_len}, "
+        f"contextual_seq_len {mask.contextual_seq_len}, min_full_attn_seq_len {mask.min_full_attn_seq_len})"
+    )
 
 
 def _same_mask(a: torch.Tensor | FixedRule, b: torch.Tensor | FixedRule) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and _same_tensor(a, b)
-    return (a.causal == b.causal and _same_tensor(a.num_targets, b.num_targets)
-            and (a.max_attn_len, a.contextual_seq_len, a.min_full_attn_seq_len)
-            == (b.max_attn_len, b.contextual_seq_len, b.min_full_attn_seq_len))
+    return (
+        a.causal == b.causal
+        and _same_tensor(a.num_targets, b.num_targets)
+        and (a.max_attn_len, a.contextual_seq_len, a.min_full_attn_seq_len)
+        == (b.max_attn_len, b.contextual_seq_len, b.min_full_attn_seq_len)
+    )
 
 
 class AttnPlan:
@@ -77,8 +89,14 @@ class AttnPlan:
     tile family the Triton kernels use (None: decided from the mask, see ``build_plan``).
     """
 
-    def __init__(self, seq_offsets: torch.Tensor, total: int, max_seq_len: int, mask: torch.Tensor | FixedRule,
-                 sparse: bool | None):
+    def __init__(
+        self,
+        seq_offsets: torch.Tensor,
+        total: int,
+        max_seq_len: int,
+        mask: torch.Tensor | FixedRule,
+        sparse: bool | None,
+    ):
         self.seq_offsets, self.total, self.max_seq_len = seq_offsets, total, max_seq_len
         self.mask, self.sparse = mask, sparse
         # Version counters are not traceable; a plan built under torch.compile is used by compiled calls only,
@@ -102,10 +120,15 @@ class AttnPlan:
                 vis = visibility(func=length.to(torch.int32)[None, None], sparse=self.sparse)
             else:
                 plain = mask.num_targets is None and mask.max_attn_len == 0 and mask.contextual_seq_len == 0
-                vis = visibility(num_targets=mask.num_targets, causal_closed_form=plain,
-                                 contextual=mask.contextual_seq_len, window=mask.max_attn_len,
-                                 min_full=mask.min_full_attn_seq_len, sparse=self.sparse,
-                                 max_seq_len=self.max_seq_len)
+                vis = visibility(
+                    num_targets=mask.num_targets,
+                    causal_closed_form=plain,
+                    contextual=mask.contextual_seq_len,
+                    window=mask.max_attn_len,
+                    min_full=mask.min_full_attn_seq_len,
+                    sparse=self.sparse,
+                    max_seq_len=self.max_seq_len,
+                )
             self._block = BlockPlan(offs, self.total, vis)
         return self._block
 
@@ -127,39 +150,64 @@ class AttnPlan:
             self._check_traceable(total, mask)
             return
         if not _same_tensor(seq_offsets, self.seq_offsets):
-            raise bad_value("attn_plan", "a plan built from this call's seq_offsets tensor (same storage and shape)",
-                            f"a plan of seq_offsets {tuple(self.seq_offsets.shape)} at "
-                            f"{self.seq_offsets.data_ptr():#x}, call's {tuple(seq_offsets.shape)} at "
-                            f"{seq_offsets.data_ptr():#x}")
+            raise bad_value(
+                "attn_plan",
+                "a plan built from this call's seq_offsets tensor (same storage and shape)",
+                f"a plan of seq_offsets {tuple(self.seq_offsets.shape)} at "
+                f"{self.seq_offsets.data_ptr():#x}, call's {tuple(seq_offsets.shape)} at "
+                f"{seq_offsets.data_ptr():#x}",
+            )
         if total != self.total:
             raise bad_value("attn_plan", f"a plan for the call's {total} rows (q.shape[0])", f"a plan for {self.total}")
         if not _same_mask(mask, self.mask):
-            raise bad_value("attn_plan", f"a plan for the call's mask, {_describe(mask)}",
-                            f"a plan for {_describe(self.mask)}")
+            raise bad_value(
+                "attn_plan", f"a plan for the call's mask, {_describe(mask)}", f"a plan for {_describe(self.mask)}"
+            )
         if self._versions is not None and _versions(seq_offsets, mask) != self._versions:
-            raise bad_value("attn_plan", "a plan built after the last in-place change of seq_offsets, attn_func or "
-                            "num_targets (build_plan again)", "a plan built before such a change (the plan "
-                            "holds block tables of the old values)")
+            raise bad_value(
+                "attn_plan",
+                "a plan built after the last in-place change of seq_offsets, attn_func or "
+                "num_targets (build_plan again)",
+                "a plan built before such a change (the plan holds block tables of the old values)",
+            )
 
     def _check_traceable(self, total: int, mask: torch.Tensor | FixedRule) -> None:
         if total != self.total:
             raise bad_value("attn_plan", f"a plan for the call's {total} rows (q.shape[0])", f"a plan for {self.total}")
         mine = self.mask
         if isinstance(mask, torch.Tensor) != isinstance(mine, torch.Tensor) or (
-                not isinstance(mask, torch.Tensor) and (
-                    mask.causal != mine.causal or (mask.num_targets is None) != (mine.num_targets is None)
-                    or (mask.max_attn_len, mask.contextual_seq_len, mask.min_full_attn_seq_len)
-                    != (mine.max_attn_len, mine.contextual_seq_len, mine.min_full_attn_seq_len))):
-            raise bad_value("attn_plan", f"a plan for the call's mask, {_describe_kind(mask)}",
-                            f"a plan for {_describe_kind(mine)}")
+            not isinstance(mask, torch.Tensor)
+            and (
+                mask.causal != mine.causal
+                or (mask.num_targets is None) != (mine.num_targets is None)
+                or (mask.max_attn_len, mask.contextual_seq_len, mask.min_full_attn_seq_len)
+                != (mine.max_attn_len, mine.contextual_seq_len, mine.min_full_attn_seq_len)
+            )
+        ):
+            raise bad_value(
+                "attn_plan", f"a plan for the call's mask, {_describe_kind(mask)}", f"a plan for {_describe_kind(mine)}"
+            )
 
-    def check_triton_call(self, seq_offsets: torch.Tensor, total: int, *, func, num_targets, causal_closed_form: bool,
-                          contextual: int, window: int, min_full: int) -> None:
+    def check_triton_call(
+        self,
+        seq_offsets: torch.Tensor,
+        total: int,
+        *,
+        func,
+        num_targets,
+        causal_closed_form: bool,
+        contextual: int,
+        window: int,
+        min_full: int,
+    ) -> None:
         """``check`` for a call of ``triton_hstu_mha``, whose mask arguments are the kernels' (a func, closed-form
         causal, or the fixed rule's parameters); a ``causal=False`` plan is used through its own func."""
         if func is not None:
-            own = isinstance(self.mask, FixedRule) and not self.mask.causal and (
-                torch.compiler.is_compiling() or func is self.func)  # compiled: the call's own all-visible func
+            own = (
+                isinstance(self.mask, FixedRule)
+                and not self.mask.causal
+                and (torch.compiler.is_compiling() or func is self.func)
+            )  # compiled: the call's own all-visible func
             mask = self.mask if own else func
         elif causal_closed_form:
             mask = FixedRule()
@@ -168,10 +216,20 @@ class AttnPlan:
         self.check(seq_offsets, total, mask)
 
 
-def build_plan(seq_offsets: torch.Tensor, *, total: int, max_seq_len: int, attn_func: torch.Tensor | None = None,
-               num_targets: torch.Tensor | None = None, causal: bool = True, max_attn_len: int = 0,
-               contextual_seq_len: int = 0, min_full_attn_seq_len: int = 0, sparse: bool | None = None,
-               device: torch.device | str | None = None) -> AttnPlan:
+def build_plan(
+    seq_offsets: torch.Tensor,
+    *,
+    total: int,
+    max_seq_len: int,
+    attn_func: torch.Tensor | None = None,
+    num_targets: torch.Tensor | None = None,
+    causal: bool = True,
+    max_attn_len: int = 0,
+    contextual_seq_len: int = 0,
+    min_full_attn_seq_len: int = 0,
+    sparse: bool | None = None,
+    device: torch.device | str | None = None,
+) -> AttnPlan:
     """The block plan of a batch: ``seq_offsets (B + 1,)``, ``total`` rows, and the mask of ``hstu_mha``
     (``attn_func (Hf, NFUNC, total)``, or the fixed rule's arguments; docs/design.md, sections 2-3).
 
@@ -199,8 +257,13 @@ def build_plan(seq_offsets: torch.Tensor, *, total: int, max_seq_len: int, attn_
             raise bad_type("sparse", "None or a bool (Python or NumPy)", type(sparse).__name__) from None
     if device is not None and torch.device(device) != seq_offsets.device:
         raise bad_value("device", f"the device of seq_offsets ({seq_offsets.device})", torch.device(device))
-    fixed_args = dict(num_targets=num_targets, causal=causal, max_attn_len=max_attn_len,
-                      contextual_seq_len=contextual_seq_len, min_full_attn_seq_len=min_full_attn_seq_len)
+    fixed_args = dict(
+        num_targets=num_targets,
+        causal=causal,
+        max_attn_len=max_attn_len,
+        contextual_seq_len=contextual_seq_len,
+        min_full_attn_seq_len=min_full_attn_seq_len,
+    )
     if attn_func is not None:
         defaults = dict(num_targets=None, causal=True, max_attn_len=0, contextual_seq_len=0, min_full_attn_seq_len=0)
         for name, value in fixed_args.items():
@@ -208,8 +271,11 @@ def build_plan(seq_offsets: torch.Tensor, *, total: int, max_seq_len: int, attn_
                 raise bad_value(name, f"its default ({defaults[name]}) when attn_func is given", value)
         check_func_meta(attn_func, arg="attn_func")
         if attn_func.shape[2] != total or attn_func.device != seq_offsets.device:
-            raise bad_value("attn_func", f"(Hf, NFUNC, {total}) on {seq_offsets.device}",
-                            f"{tuple(attn_func.shape)} on {attn_func.device}")
+            raise bad_value(
+                "attn_func",
+                f"(Hf, NFUNC, {total}) on {seq_offsets.device}",
+                f"{tuple(attn_func.shape)} on {attn_func.device}",
+            )
         if can_read_values(attn_func) and can_read_values(seq_offsets):
             validate(attn_func, seq_offsets)
         mask: torch.Tensor | FixedRule = attn_func
@@ -221,7 +287,11 @@ def build_plan(seq_offsets: torch.Tensor, *, total: int, max_seq_len: int, attn_
             raise bad_type("num_targets", "None or an integer tensor of shape (B,)", type(num_targets).__name__)
         if num_targets is not None and (num_targets.dim() != 1 or num_targets.numel() != seq_offsets.numel() - 1):
             raise bad_value("num_targets", f"shape ({seq_offsets.numel() - 1},)", tuple(num_targets.shape))
-        mask = FixedRule(causal, num_targets, as_span("max_attn_len", max_attn_len),
-                         as_span("contextual_seq_len", contextual_seq_len),
-                         as_span("min_full_attn_seq_len", min_full_attn_seq_len))
+        mask = FixedRule(
+            causal,
+            num_targets,
+            as_span("max_attn_len", max_attn_len),
+            as_span("contextual_seq_len", contextual_seq_len),
+            as_span("min_full_attn_seq_len", min_full_attn_seq_len),
+        )
     return AttnPlan(seq_offsets, total, max_seq_len, mask, sparse)

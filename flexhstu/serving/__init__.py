@@ -6,6 +6,22 @@ from .export import MicroBatchScorer, ScorerInputs, compile_scorer, export_score
 from .graphs import GRAPH_MAX_ROWS, MicroBatchGraphs
 from .scoring import MicroBatch, micro_batches
 
-__all__ = ["GRAPH_MAX_ROWS", "DeltaLayout", "HistoryCache", "JaggedHistory", "MicroBatch", "MicroBatchGraphs",
-           "MicroBatchScorer", "ScorerInputs", "UserHistory", "compile_scorer", "delta_layout", "export_scorer",
-           "extend", "layer_delta", "micro_batches", "prefill", "stack_delta"]
+__all__ = [
+    "GRAPH_MAX_ROWS",
+    "DeltaLayout",
+    "HistoryCache",
+    "JaggedHistory",
+    "MicroBatch",
+    "MicroBatchGraphs",
+    "MicroBatchScorer",
+    "ScorerInputs",
+    "UserHistory",
+    "compile_scorer",
+    "delta_layout",
+    "export_scorer",
+    "extend",
+    "layer_delta",
+    "micro_batches",
+    "prefill",
+    "stack_delta",
+]

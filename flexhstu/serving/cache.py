@@ -138,20 +138,25 @@ class HistoryCache:
                     raise bad_value(arg, "a (rows, heads, dim) tensor", got)
                 rows = t.shape[0] if rows is None else rows
                 if t.shape[0] != rows:
-                    raise bad_value(arg, f"{rows} rows (as entry.k[0]: one length for every layer's K and V)",
-                                    t.shape[0])
+                    raise bad_value(
+                        arg, f"{rows} rows (as entry.k[0]: one length for every layer's K and V)", t.shape[0]
+                    )
                 if like is not None:
                     ref = getattr(like, name)[layer]
                     if t.shape[1:] != ref.shape[1:] or t.dtype != ref.dtype or t.device != ref.device:
-                        raise bad_value(arg, f"(rows, {', '.join(map(str, ref.shape[1:]))}) {ref.dtype} on "
-                                        f"{ref.device}, like the cached users'",
-                                        f"{tuple(t.shape)} {t.dtype} on {t.device}")
+                        raise bad_value(
+                            arg,
+                            f"(rows, {', '.join(map(str, ref.shape[1:]))}) {ref.dtype} on "
+                            f"{ref.device}, like the cached users'",
+                            f"{tuple(t.shape)} {t.dtype} on {t.device}",
+                        )
         for layer, (k, v) in enumerate(zip(entry.k, entry.v)):
             if k.shape[1] != v.shape[1]:
                 raise bad_value(f"entry.v[{layer}]", f"{k.shape[1]} heads (as entry.k[{layer}])", v.shape[1])
         if entry.last is None and rows:
-            raise bad_value("entry.last", "the stack's output at the last history row (None only for an empty "
-                            "history)", None)
+            raise bad_value(
+                "entry.last", "the stack's output at the last history row (None only for an empty history)", None
+            )
         if entry.last is not None and (not isinstance(entry.last, torch.Tensor) or entry.last.dim() != 1):
             got = f"shape {tuple(entry.last.shape)}" if isinstance(entry.last, torch.Tensor) else entry.last
             raise bad_value("entry.last", "a (D,) tensor", got)

@@ -48,8 +48,9 @@ class DeltaLayout(NamedTuple):
         return self.hist_rows.numel() + self.new_rows.numel()
 
 
-def delta_layout(hist_offsets: torch.Tensor, new_offsets: torch.Tensor, total_hist: int,
-                 total_new: int, room: int = 0) -> DeltaLayout:
+def delta_layout(
+    hist_offsets: torch.Tensor, new_offsets: torch.Tensor, total_hist: int, total_new: int, room: int = 0
+) -> DeltaLayout:
     """Sync-free: the totals come from the tensors' shapes."""
     hist_offsets, new_offsets = hist_offsets.to(torch.int64), new_offsets.to(torch.int64)
     users = torch.arange(hist_offsets.numel() - 1, device=hist_offsets.device)
@@ -83,29 +84,56 @@ def _keys_and_values(hist_k, hist_v, k, v, layout: DeltaLayout) -> tuple[torch.T
     return hist_k, hist_v, dict(seq_offsets=layout.slot_offsets, kv_lengths=layout.kv_lengths)
 
 
-def layer_delta(layer: STULayer, x: torch.Tensor, hist_k: torch.Tensor, hist_v: torch.Tensor, layout: DeltaLayout,
-                max_seq_len: int, mask_kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def layer_delta(
+    layer: STULayer,
+    x: torch.Tensor,
+    hist_k: torch.Tensor,
+    hist_v: torch.Tensor,
+    layout: DeltaLayout,
+    max_seq_len: int,
+    mask_kwargs: dict,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One STU layer for new rows ``x (T_n, D)`` -> (output ``(T_n, D)``, ``k (T_n, H, Dqk)``, ``v (T_n, H, Dv)``)."""
     cfg = layer.cfg
     h, da, dh = cfg.num_heads, cfg.attention_dim, cfg.hidden_dim
     u, v, q, k = torch.split(layer.uvqk(layer.norm(x)), [h * dh, h * dh, h * da, h * da], dim=-1)
     q, k, v = q.reshape(-1, h, da), k.reshape(-1, h, da), v.reshape(-1, h, dh)
     keys, values, where = _keys_and_values(hist_k, hist_v, k, v, layout)
-    a = delta_hstu_mha(max_seq_len, None, q, keys, values, kernel=cfg.kernel, q_offsets=layout.new_offsets,
-                       q_start=layout.q_start, **where, **mask_kwargs).reshape(-1, h * dh)
+    a = delta_hstu_mha(
+        max_seq_len,
+        None,
+        q,
+        keys,
+        values,
+        kernel=cfg.kernel,
+        q_offsets=layout.new_offsets,
+        q_start=layout.q_start,
+        **where,
+        **mask_kwargs,
+    ).reshape(-1, h * dh)
     su = F.silu(u)
     return x + layer.out(torch.cat([su, a, su * layer.attn_norm(a)], dim=-1)), k, v
 
 
-def stack_delta(stack: STUStack, x: torch.Tensor, history: JaggedHistory, new_offsets: torch.Tensor, *,
-                max_seq_len: int, mask: MaskFn | None = None) -> tuple[torch.Tensor, list, list]:
+def stack_delta(
+    stack: STUStack,
+    x: torch.Tensor,
+    history: JaggedHistory,
+    new_offsets: torch.Tensor,
+    *,
+    max_seq_len: int,
+    mask: MaskFn | None = None,
+) -> tuple[torch.Tensor, list, list]:
     """The stack (final norm included) for new rows ``x (T_n, D)`` jagged by ``new_offsets (B + 1,)`` after the
     cached ``history``. Returns (outputs ``(T_n, D)``, per-layer new ``k``, per-layer new ``v``)."""
     biased = [i for i, layer in enumerate(stack.layers) if layer.rel_bias is not None]
     if biased:  # the cache keeps no event times and delta_hstu_mha takes no bias: refuse, never drop the bias
-        raise bad_value("stack", "STU layers without a relative attention bias for cached serving (the delta path "
-                        "has no bias yet; build the model with rel_bias=False)",
-                        f"rel_bias on layer {biased[0]}")
+        raise bad_value(
+            "stack",
+            "STU layers without a relative attention bias for cached serving (the delta path "
+            "has no bias yet; build the model with rel_bias=False)",
+            f"rel_bias on layer {biased[0]}",
+        )
     _check_history(stack, history)
     if history.room:  # a row past a user's room would overwrite the next user's history
         _check_room(new_offsets, history.room)
@@ -130,8 +158,14 @@ def empty_history(stack: STUStack, batch: int, like: torch.Tensor) -> JaggedHist
 
 
 @torch.no_grad()
-def prefill(stack: STUStack, cache: HistoryCache, users: Sequence[Hashable], x: torch.Tensor,
-            seq_offsets: torch.Tensor, mask: MaskFn | None = None) -> torch.Tensor:
+def prefill(
+    stack: STUStack,
+    cache: HistoryCache,
+    users: Sequence[Hashable],
+    x: torch.Tensor,
+    seq_offsets: torch.Tensor,
+    mask: MaskFn | None = None,
+) -> torch.Tensor:
     """Run the stack over whole histories ``x (T_h, D)`` (jagged by ``seq_offsets (B + 1,)``, one per user),
     store each user's K and V (replacing what was cached) and return the outputs ``(T_h, D)``.
     ``mask`` is the histories' mask (causal when None). Reads the offsets once (a sync on CUDA)."""
@@ -146,8 +180,14 @@ def prefill(stack: STUStack, cache: HistoryCache, users: Sequence[Hashable], x: 
 
 
 @torch.no_grad()
-def extend(stack: STUStack, cache: HistoryCache, users: Sequence[Hashable], x: torch.Tensor,
-           new_offsets: torch.Tensor, mask: MaskFn | None = None) -> torch.Tensor:
+def extend(
+    stack: STUStack,
+    cache: HistoryCache,
+    users: Sequence[Hashable],
+    x: torch.Tensor,
+    new_offsets: torch.Tensor,
+    mask: MaskFn | None = None,
+) -> torch.Tensor:
     """Append rows ``x (T_n, D)`` (jagged by ``new_offsets``) to cached users' histories; return their outputs.
 
     Equal to ``prefill`` of the grown histories when the rows' inputs ``x`` are what a full run would give
@@ -166,8 +206,12 @@ def _store(write, users, offs: list[int], out: torch.Tensor, ks: list, vs: list)
     for b, user in enumerate(users):
         lo, hi = offs[b], offs[b + 1]
         # Copies: a view would keep the whole batch's tensors alive after other users are evicted.
-        write(user, UserHistory([k[lo:hi].clone() for k in ks], [v[lo:hi].clone() for v in vs],
-                                out[hi - 1].clone() if hi > lo else None))
+        write(
+            user,
+            UserHistory(
+                [k[lo:hi].clone() for k in ks], [v[lo:hi].clone() for v in vs], out[hi - 1].clone() if hi > lo else None
+            ),
+        )
 
 
 def _read_offsets(offsets: torch.Tensor, arg: str, x: torch.Tensor) -> list[int]:
@@ -185,8 +229,11 @@ def _check_cache_fits(cache: HistoryCache, users: Sequence[Hashable], offs: list
         rows = offs[b + 1] - offs[b] + (cache.length(user) if grown else 0)
         if rows > cache.max_seq_len:
             what = "cached and new rows" if grown else "rows"
-            raise bad_value(f"history of user {user!r}", f"at most the cache's max_seq_len={cache.max_seq_len} rows",
-                            f"{rows} {what}")
+            raise bad_value(
+                f"history of user {user!r}",
+                f"at most the cache's max_seq_len={cache.max_seq_len} rows",
+                f"{rows} {what}",
+            )
 
 
 def _check_stack(stack: STUStack, cache: HistoryCache, x: torch.Tensor) -> None:
@@ -195,8 +242,9 @@ def _check_stack(stack: STUStack, cache: HistoryCache, x: torch.Tensor) -> None:
     if len(stack.layers) != cache.num_layers:
         raise bad_value("stack", f"{cache.num_layers} STU layers (the cache's num_layers)", len(stack.layers))
     if isinstance(x, torch.Tensor) and torch.is_autocast_enabled(x.device.type):
-        raise bad_value("torch.autocast", "off for cached serving (cast the model instead, e.g. model.bfloat16())",
-                        "on")
+        raise bad_value(
+            "torch.autocast", "off for cached serving (cast the model instead, e.g. model.bfloat16())", "on"
+        )
     w = stack.layers[0].uvqk.weight
     check_rows(x, stack.norm.normalized_shape[0], (w.dtype,), w.device, autocast_ok=False)
 
@@ -205,14 +253,18 @@ def _check_history(stack: STUStack, history: JaggedHistory) -> None:
     """Per layer, cached K and V of the stack's heads, dims and dtype (a shorter history would silently skip
     layers: ``zip`` stops at the shorter list)."""
     if len(history.k) != len(stack.layers) or len(history.v) != len(stack.layers):
-        raise bad_value("history", f"K and V for the stack's {len(stack.layers)} layers",
-                        f"{len(history.k)} and {len(history.v)}")
+        raise bad_value(
+            "history", f"K and V for the stack's {len(stack.layers)} layers", f"{len(history.k)} and {len(history.v)}"
+        )
     for i, (layer, hk, hv) in enumerate(zip(stack.layers, history.k, history.v)):
         cfg, dtype = layer.cfg, layer.uvqk.weight.dtype
         for name, t, dim in (("k", hk, cfg.attention_dim), ("v", hv, cfg.hidden_dim)):
             if t.dim() != 3 or tuple(t.shape[1:]) != (cfg.num_heads, dim) or t.dtype != dtype:
-                raise bad_value(f"history.{name}[{i}]", f"(rows, {cfg.num_heads}, {dim}) {dtype} (layer {i}'s heads "
-                                f"and dims)", f"{tuple(t.shape)} {t.dtype}")
+                raise bad_value(
+                    f"history.{name}[{i}]",
+                    f"(rows, {cfg.num_heads}, {dim}) {dtype} (layer {i}'s heads and dims)",
+                    f"{tuple(t.shape)} {t.dtype}",
+                )
 
 
 def _check_users(users: Sequence[Hashable], offsets: torch.Tensor) -> None:
@@ -231,5 +283,6 @@ def _check_room(new_offsets: torch.Tensor, room: int) -> None:
         return
     if new_len.numel() and int(new_len.max()) > room:
         b = int(torch.argmax(new_len))
-        raise bad_value(f"new rows of user {b}", f"at most the history's room of {room} rows (HistoryCache.gather)",
-                        int(new_len[b]))
+        raise bad_value(
+            f"new rows of user {b}", f"at most the history's room of {room} rows (HistoryCache.gather)", int(new_len[b])
+        )

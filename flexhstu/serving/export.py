@@ -34,8 +34,14 @@ class MicroBatchScorer(nn.Module):
         super().__init__()
         self.model, self.max_seq_len = model, max_seq_len
 
-    def forward(self, ks: tuple[torch.Tensor, ...], vs: tuple[torch.Tensor, ...], hist_offsets: torch.Tensor,
-                cand_items: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        ks: tuple[torch.Tensor, ...],
+        vs: tuple[torch.Tensor, ...],
+        hist_offsets: torch.Tensor,
+        cand_items: torch.Tensor,
+        counts: torch.Tensor,
+    ) -> torch.Tensor:
         with torch.no_grad():
             history = JaggedHistory(list(ks), list(vs), hist_offsets, [])
             return self.model.score_micro_batch(history, cand_items, counts, self.max_seq_len)
@@ -55,8 +61,12 @@ class ScorerInputs(NamedTuple):
     def of(cls, history: JaggedHistory, cand_items: torch.Tensor, counts: torch.Tensor) -> ScorerInputs:
         """The inputs for ``cand_items (c,)`` (``counts (B,)`` per user) against a gathered ``history``."""
         if history.room:
-            raise bad_value("history", "a history gathered without room (cache.gather(users)): the scorer reads "
-                            "every row of k and v as history", f"room={history.room}")
+            raise bad_value(
+                "history",
+                "a history gathered without room (cache.gather(users)): the scorer reads "
+                "every row of k and v as history",
+                f"room={history.room}",
+            )
         return cls(tuple(history.k), tuple(history.v), history.offsets, cand_items, counts)
 
 
@@ -70,19 +80,28 @@ def scorer_dynamic_shapes(inputs: ScorerInputs) -> tuple:
     return per_layer, per_layer, {0: users + 1}, {0: cands}, {0: users}
 
 
-def export_scorer(scorer: MicroBatchScorer, example: ScorerInputs, *,
-                  dynamic: bool = True) -> torch.export.ExportedProgram:
+def export_scorer(
+    scorer: MicroBatchScorer, example: ScorerInputs, *, dynamic: bool = True
+) -> torch.export.ExportedProgram:
     """``torch.export`` of ``scorer`` traced on ``example``; with ``dynamic`` any number of users, history rows and
     candidates runs (the example then needs at least 2 of each: export specialises sizes 0 and 1)."""
     if not isinstance(example, ScorerInputs):
-        raise bad_type("example", "a ScorerInputs (ScorerInputs.of(history, cand_items, counts))",
-                       type(example).__name__)
-    sizes = {"users": example.counts.shape[0], "history rows": example.ks[0].shape[0] if example.ks else 0,
-             "candidates": example.cand_items.shape[0]}
+        raise bad_type(
+            "example", "a ScorerInputs (ScorerInputs.of(history, cand_items, counts))", type(example).__name__
+        )
+    sizes = {
+        "users": example.counts.shape[0],
+        "history rows": example.ks[0].shape[0] if example.ks else 0,
+        "candidates": example.cand_items.shape[0],
+    }
     if dynamic and min(sizes.values()) < 2:
         got = ", ".join(f"{n} {k}" for k, n in sizes.items())
-        raise bad_value("example", "at least 2 users, 2 history rows and 2 candidates for dynamic shapes "
-                        "(torch.export specialises sizes 0 and 1)", got)
+        raise bad_value(
+            "example",
+            "at least 2 users, 2 history rows and 2 candidates for dynamic shapes "
+            "(torch.export specialises sizes 0 and 1)",
+            got,
+        )
     if not dynamic:
         return torch.export.export(scorer, tuple(example))
     # Size-oblivious: broadcasting and contiguity checks on a symbolic size (the users' diff of offsets, an
@@ -92,8 +111,14 @@ def export_scorer(scorer: MicroBatchScorer, example: ScorerInputs, *,
         return torch.export.export(scorer, tuple(example), dynamic_shapes=scorer_dynamic_shapes(example))
 
 
-def compile_scorer(scorer: MicroBatchScorer, example: ScorerInputs, package_path: str | Path, *,
-                   dynamic: bool = True, inductor_configs: dict | None = None) -> Callable[..., torch.Tensor]:
+def compile_scorer(
+    scorer: MicroBatchScorer,
+    example: ScorerInputs,
+    package_path: str | Path,
+    *,
+    dynamic: bool = True,
+    inductor_configs: dict | None = None,
+) -> Callable[..., torch.Tensor]:
     """Export ``scorer`` (:func:`export_scorer`), compile it with AOTInductor into ``package_path`` (a ``.pt2``
     file, written) and load it: returns the compiled scorer, called as the module is (``compiled(*inputs)``,
     scores ``(c, tasks)``), on the device and dtype of the example. ``inductor_configs``: passed to

@@ -47,9 +47,12 @@ class MicroBatchGraphs:
         checks nothing: rows past a user's room would overwrite the next user's history)."""
         rows = self.model.group_size * max(host_counts, default=0)
         if rows > self.history.room:
-            raise bad_value("host_counts", f"at most {self.history.room // self.model.group_size} candidates per "
-                            f"user (the history's room of {self.history.room} rows, HistoryCache.gather)",
-                            list(host_counts))
+            raise bad_value(
+                "host_counts",
+                f"at most {self.history.room // self.model.group_size} candidates per "
+                f"user (the history's room of {self.history.room} rows, HistoryCache.gather)",
+                list(host_counts),
+            )
         size = cand_items.shape[0]
         if size in self._graphs:
             graph, items, static_counts, out = self._graphs[size]

@@ -41,5 +41,6 @@ def micro_batches(cand_offsets: torch.Tensor, micro_batch: int | None, total: in
         return []
     flat = torch.cat([torch.cat([index, torch.tensor(take, dtype=torch.int64)]) for index, take in plans])
     pieces = flat.to(cand_offsets.device).split([index.numel() + len(take) for index, take in plans])
-    return [MicroBatch(piece[:index.numel()], take, piece[index.numel():])
-            for piece, (index, take) in zip(pieces, plans)]
+    return [
+        MicroBatch(piece[: index.numel()], take, piece[index.numel() :]) for piece, (index, take) in zip(pieces, plans)
+    ]

@@ -28,12 +28,13 @@ def epoch_batches(a: argparse.Namespace, epoch: int, d: Splits) -> tuple[torch.G
     the generator then draws the negatives."""
     gen = torch.Generator().manual_seed(a.seed * 1000 + epoch)
     order = torch.randperm(len(d.units), generator=gen).tolist()
-    batches = [order[i:i + a.batch_size] for i in range(0, len(order), a.batch_size)]
-    return gen, batches[:a.steps_per_epoch] if a.steps_per_epoch else batches
+    batches = [order[i : i + a.batch_size] for i in range(0, len(order), a.batch_size)]
+    return gen, batches[: a.steps_per_epoch] if a.steps_per_epoch else batches
 
 
-def train_epoch(a: argparse.Namespace, epoch: int, d: Splits, model, ddp, opt, rank: int, world: int,
-                device, speed: Throughput) -> dict:
+def train_epoch(
+    a: argparse.Namespace, epoch: int, d: Splits, model, ddp, opt, rank: int, world: int, device, speed: Throughput
+) -> dict:
     """One epoch. Rank r trains on every world-th unit of each step, its mean loss weighted by its share of the
     step's targets (ranking: candidates) times the number of ranks, so DDP's mean gradient is the gradient of the
     whole step's mean loss: a retrieval run without dropout trains the same parameters on any number of ranks,
@@ -106,8 +107,10 @@ def diverged_message(a: argparse.Namespace, e: Diverged, out: Path, p: Progress,
     elif not knows_progress:
         kept = f"{out / 'checkpoint.pt'} keeps the last finite epoch, if one finished"
     elif p.epoch:
-        kept = (f"{out / 'checkpoint.pt'} keeps epoch {p.epoch}, the last finite one (--resume with a lower --lr "
-                "continues from it)")
+        kept = (
+            f"{out / 'checkpoint.pt'} keeps epoch {p.epoch}, the last finite one (--resume with a lower --lr "
+            "continues from it)"
+        )
     else:
         kept = "no checkpoint was written (no epoch finished with finite weights)"
     return f"{e} with --lr {a.lr:g}: training diverged and stopped; {kept}"

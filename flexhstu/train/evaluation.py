@@ -17,8 +17,16 @@ from ..models.ranking import TASKS, RankingRequests, collate
 from .splits import Splits
 
 
-def retrieval_metrics(model, seqs: UserSequences, inputs_end: int, targets, max_len: int, device,
-                      names: tuple[str, ...] = ("hr@10", "ndcg@10"), users=None) -> dict:
+def retrieval_metrics(
+    model,
+    seqs: UserSequences,
+    inputs_end: int,
+    targets,
+    max_len: int,
+    device,
+    names: tuple[str, ...] = ("hr@10", "ndcg@10"),
+    users=None,
+) -> dict:
     """The metrics ``names`` (``hr@K``, ``ndcg@K``, ``mrr``) by full-corpus ranking of ``users`` (default all);
     inputs are each sequence without its last ``inputs_end`` events. A model whose item table is sharded ranks
     on every rank (all must call this)."""
@@ -28,9 +36,9 @@ def retrieval_metrics(model, seqs: UserSequences, inputs_end: int, targets, max_
     sharded = distributed.is_sharded(model)
     ranks = []
     for s in range(0, len(users), 256):
-        chunk = users[s:s + 256]
-        items = [x[:len(x) - inputs_end] for x in (seqs.items[u] for u in chunk)]
-        times = [x[:len(x) - inputs_end] for x in (seqs.times[u] for u in chunk)]
+        chunk = users[s : s + 256]
+        items = [x[: len(x) - inputs_end] for x in (seqs.items[u] for u in chunk)]
+        times = [x[: len(x) - inputs_end] for x in (seqs.times[u] for u in chunk)]
         tgts = [int(targets[u]) for u in chunk]
         batch = make_batch(items, times, max_len, with_targets=False).to(device)
         if sharded:
@@ -41,13 +49,15 @@ def retrieval_metrics(model, seqs: UserSequences, inputs_end: int, targets, max_
     return ranks_to_metrics(ranks, list(names))
 
 
-def ranking_metrics(model, req: RankingRequests, device, names: tuple[str, ...] = ("auc", "ndcg@10"),
-                    requests=None) -> dict:
+def ranking_metrics(
+    model, req: RankingRequests, device, names: tuple[str, ...] = ("auc", "ndcg@10"), requests=None
+) -> dict:
     """Per task: AUC over all candidates, GAUC (AUC per request, weighted by its candidates), NDCG@K within
     each candidate list, as ``names`` asks; over ``requests`` (indices, default all)."""
     if requests is not None:
-        req = RankingRequests(*([col[i] for i in requests] for col in (req.hist_items, req.hist_times,
-                                                                       req.cand_items, req.labels)))
+        req = RankingRequests(
+            *([col[i] for i in requests] for col in (req.hist_items, req.hist_times, req.cand_items, req.labels))
+        )
     model.eval()
     scores, labels = [], []
     with torch.no_grad():
@@ -81,8 +91,9 @@ def evaluate(a: argparse.Namespace, model, d: Splits, split: str, device) -> dic
     """Metrics on ``split`` ("valid" or "test")."""
     if a.task == "retrieval":
         inputs_end, targets = (2, d.valid) if split == "valid" else (1, d.test)
-        return retrieval_metrics(model, d.seqs, inputs_end, targets, a.max_len, device, a.metric_names,
-                                 eval_sample(a, len(d.seqs.items)))
+        return retrieval_metrics(
+            model, d.seqs, inputs_end, targets, a.max_len, device, a.metric_names, eval_sample(a, len(d.seqs.items))
+        )
     req = d.valid if split == "valid" else d.test
     return ranking_metrics(model, req, device, a.metric_names, eval_sample(a, len(req.cand_items)))
 

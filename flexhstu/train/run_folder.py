@@ -43,8 +43,10 @@ def check_latest(root: Path = RUNS) -> Path:
     """``root/latest``, after checking that it is a symlink or absent (a run may replace it)."""
     link = root / "latest"
     if link.exists() and not link.is_symlink():
-        raise ValueError(f"{link}: expected a symlink to the newest run, got a folder (written by an older "
-                         f"flexhstu); rename it (e.g. mv {link} {root}/old) or pass --out")
+        raise ValueError(
+            f"{link}: expected a symlink to the newest run, got a folder (written by an older "
+            f"flexhstu); rename it (e.g. mv {link} {root}/old) or pass --out"
+        )
     return link
 
 
@@ -72,8 +74,10 @@ def lock_run(out: Path) -> None:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         f.close()
-        raise ValueError(f"--out: expected a folder no other flexhstu train is writing, got {out} (another process "
-                         "holds its .lock; wait for it to end, or pass another --out)") from None
+        raise ValueError(
+            f"--out: expected a folder no other flexhstu train is writing, got {out} (another process "
+            "holds its .lock; wait for it to end, or pass another --out)"
+        ) from None
     _LOCKS[out] = f
 
 
@@ -114,8 +118,13 @@ def refuse_shared_folder(out: Path) -> None:
     """``--out`` naming a folder that holds much besides a run (a filesystem root, the home folder itself) is a
     slip (``--out /``, ``--out ~`` for ``~/run``): the run would scatter its files and .lock among the user's."""
     where = out.resolve()
-    why = ("the filesystem root" if where == Path(where.anchor) else
-           "the home folder itself" if where == Path.home().resolve() else None)
+    why = (
+        "the filesystem root"
+        if where == Path(where.anchor)
+        else "the home folder itself"
+        if where == Path.home().resolve()
+        else None
+    )
     if why:
         raise ValueError(f"--out: expected a folder of its own for the run (e.g. runs/NAME), got {out} ({why})")
 
@@ -139,7 +148,9 @@ def _claim_out(a: argparse.Namespace) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     held = [f for f in ("checkpoint.pt", "metrics.json") if (out / f).exists()]
     if held and not a.resume:
-        raise ValueError(f"--out: expected a folder without a run, got {out} holding {', '.join(held)} (pass "
-                         "--resume to continue it, or leave out --out for a new folder)")
+        raise ValueError(
+            f"--out: expected a folder without a run, got {out} holding {', '.join(held)} (pass "
+            "--resume to continue it, or leave out --out for a new folder)"
+        )
     lock_run(out)
     return out

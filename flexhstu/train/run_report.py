@@ -47,27 +47,38 @@ class Throughput:
         def rates(tokens, seconds) -> dict:
             total, slowest = sum(tokens), max(seconds)
             rate = total / slowest if slowest > 0 else 0.0
-            return {"tokens": total, "seconds": slowest, "tokens_per_s": rate, "tokens_per_s_per_rank": rate / world,
-                    "each_rank": [t / s if s > 0 else 0.0 for t, s in zip(tokens, seconds)]}
+            return {
+                "tokens": total,
+                "seconds": slowest,
+                "tokens_per_s": rate,
+                "tokens_per_s_per_rank": rate / world,
+                "each_rank": [t / s if s > 0 else 0.0 for t, s in zip(tokens, seconds)],
+            }
 
         out = {"ranks": world, "steps": self.steps, **rates([e[0] for e in every], [e[1] for e in every])}
         if device.type == "cuda":
             out["peak_memory_gb"] = [e[4] / 1e9 for e in every]
         if self.steps > WARMUP_STEPS:
-            out["after_warmup"] = {"steps": self.steps - WARMUP_STEPS,
-                                   **rates([e[2] for e in every], [e[3] for e in every])}
+            out["after_warmup"] = {
+                "steps": self.steps - WARMUP_STEPS,
+                **rates([e[2] for e in every], [e[3] for e in every]),
+            }
         return out
 
 
 def throughput_line(t: dict) -> str:
     """The tokens/s report of ``Throughput.report`` in one line."""
     ranks = f"{t['ranks']} rank{'s' * (t['ranks'] > 1)}"
-    line = (f"{t['tokens_per_s']:,.0f} tokens/s on {ranks} ({t['tokens_per_s_per_rank']:,.0f} per rank) over "
-            f"{t['steps']} steps")
+    line = (
+        f"{t['tokens_per_s']:,.0f} tokens/s on {ranks} ({t['tokens_per_s_per_rank']:,.0f} per rank) over "
+        f"{t['steps']} steps"
+    )
     if "after_warmup" in t:
         w = t["after_warmup"]
-        line += (f"; after the first {WARMUP_STEPS} steps {w['tokens_per_s']:,.0f} tokens/s "
-                 f"({w['tokens_per_s_per_rank']:,.0f} per rank)")
+        line += (
+            f"; after the first {WARMUP_STEPS} steps {w['tokens_per_s']:,.0f} tokens/s "
+            f"({w['tokens_per_s_per_rank']:,.0f} per rank)"
+        )
     return line
 
 
@@ -112,7 +123,7 @@ def plot(history: list[dict], path: Path, title: str, best_epoch: int | None) ->
         ax.grid(alpha=0.3)
         if len(lines) > 1 or ax is axes.flat[0]:
             ax.legend(fontsize=7, loc="best")
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
@@ -144,8 +155,9 @@ def write(result: dict, history: list[dict], out: Path, rank: int, a: argparse.N
     """metrics.json (and metrics.png when there is a history) in ``out`` on rank 0; returns ``result``."""
     result["history"] = history
     if rank == 0:
-        checkpoint.write_text(out / "metrics.json", json.dumps(json_safe(result), indent=1, default=str,
-                                                               allow_nan=False))
+        checkpoint.write_text(
+            out / "metrics.json", json.dumps(json_safe(result), indent=1, default=str, allow_nan=False)
+        )
         latest_after_output(out, rank)
         if history:
             plot(history, out / "metrics.png", plot_title(a), result.get("best_epoch"))

@@ -31,18 +31,26 @@ class Progress:
 
 def run_config(a: argparse.Namespace, d: Splits) -> dict:
     """What a checkpoint records of its run: the fixed arguments, the data's size, and --lr / --epochs."""
-    return {**{k: getattr(a, k) for k in FIXED_ON_RESUME}, "data_rows": d.data_rows, "num_items": d.num_items,
-            "data_digest": d.digest, "lr": a.lr, "epochs": a.epochs}
+    return {
+        **{k: getattr(a, k) for k in FIXED_ON_RESUME},
+        "data_rows": d.data_rows,
+        "num_items": d.num_items,
+        "data_digest": d.digest,
+        "lr": a.lr,
+        "epochs": a.epochs,
+    }
 
 
-def resume(a: argparse.Namespace, d: Splits, out: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, device,
-           rank: int) -> Progress:
+def resume(
+    a: argparse.Namespace, d: Splits, out: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, device, rank: int
+) -> Progress:
     """Weights, optimizer and progress from ``out/checkpoint.pt`` (and the sharded folder it names), after checking
     that this run is the checkpoint's run. A sharded state is read into this run's sharding (any number of ranks)."""
     ckpt = out / "checkpoint.pt"
     if not ckpt.is_file():
-        raise FileNotFoundError(f"--resume: expected a checkpoint at {ckpt}, no such file (leave out --resume to "
-                                "start a new run)")
+        raise FileNotFoundError(
+            f"--resume: expected a checkpoint at {ckpt}, no such file (leave out --resume to start a new run)"
+        )
     state = checkpoint.load(ckpt, map_location=device)
     checkpoint.require(state, ckpt, "config", "epoch", "history", "best", *(() if "sharded" in state else ("opt",)))
     saved, now = saved_config(state, ckpt), run_config(a, d)
@@ -58,13 +66,18 @@ def resume(a: argparse.Namespace, d: Splits, out: Path, model: torch.nn.Module, 
     if was["model"] != "hstu":  # only hstu has a mask: older runs of other models recorded any --mask given
         was["mask"] = now["mask"]
     label = {"data_rows": "events in the data:", "num_items": "items in the data:"}  # not options: say what they are
-    changed = [f"{label.get(k, '--' + k.replace('_', '-'))} {was[k]!r} in the checkpoint, {now[k]!r} now" for k in was
-               if was[k] != now[k] and k != "data_digest"]
+    changed = [
+        f"{label.get(k, '--' + k.replace('_', '-'))} {was[k]!r} in the checkpoint, {now[k]!r} now"
+        for k in was
+        if was[k] != now[k] and k != "data_digest"
+    ]
     if was["data_digest"] != now["data_digest"] and not changed:
         changed = [f"--data {now['data']}: other contents than the run's data (same size; its events or ids differ)"]
     if d.duplicates and was["data_rows"] == now["data_rows"] + d.duplicates:
-        changed.append(f"the data file holds {d.duplicates} duplicate events, which this flexhstu drops and the "
-                       "run (an older flexhstu) trained on")
+        changed.append(
+            f"the data file holds {d.duplicates} duplicate events, which this flexhstu drops and the "
+            "run (an older flexhstu) trained on"
+        )
     if changed:
         raise ValueError(f"--resume: expected the run of {ckpt}, got a different one: " + "; ".join(changed))
     if "sharded" in state:
@@ -88,18 +101,21 @@ def resume(a: argparse.Namespace, d: Splits, out: Path, model: torch.nn.Module, 
         notes.append(f"--epochs {a.epochs} replaces the checkpoint's {saved['epochs']} ({state['epoch']} done)")
     if rank == 0 and not a.quiet:  # --quiet: nothing but errors
         if state["epoch"] >= a.epochs:  # nothing left to train: the outputs are written again from the checkpoint
-            print(f"flexhstu train: all {a.epochs} epochs are done in {ckpt} ({state['epoch']} trained); "
-                  "writing the run's outputs again (--epochs N for more)", file=sys.stderr)
+            print(
+                f"flexhstu train: all {a.epochs} epochs are done in {ckpt} ({state['epoch']} trained); "
+                "writing the run's outputs again (--epochs N for more)",
+                file=sys.stderr,
+            )
         else:
-            print(f"flexhstu train: resuming at epoch {state['epoch'] + 1} of {a.epochs} from {ckpt}",
-                  file=sys.stderr)
+            print(f"flexhstu train: resuming at epoch {state['epoch'] + 1} of {a.epochs} from {ckpt}", file=sys.stderr)
         for note in notes:
             print(f"flexhstu train: resuming: {note}", file=sys.stderr)
     return Progress(state["history"], state["epoch"], state["best"])
 
 
-def save_checkpoint(a: argparse.Namespace, d: Splits, out: Path, model, opt, p: Progress, new_best: bool,
-                    rank: int) -> None:
+def save_checkpoint(
+    a: argparse.Namespace, d: Splits, out: Path, model, opt, p: Progress, new_best: bool, rank: int
+) -> None:
     """``out/checkpoint.pt`` after an epoch. With ``--shard-embeddings none`` it holds the weights, the optimizer
     and the best epoch's weights (rank 0 writes it). Otherwise every rank writes its shards with
     torch.distributed.checkpoint to ``out/sharded/epoch-N`` (and ``best-N`` at a new best), and ``checkpoint.pt``,
@@ -110,8 +126,9 @@ def save_checkpoint(a: argparse.Namespace, d: Splits, out: Path, model, opt, p: 
     if a.shard_embeddings == "none":
         if new_best:
             p.best["model"] = copy.deepcopy(model.state_dict())
-        checkpoint.save({**meta, "model": model.state_dict(), "opt": opt.state_dict(), "best": p.best},
-                        out / "checkpoint.pt")
+        checkpoint.save(
+            {**meta, "model": model.state_dict(), "opt": opt.state_dict(), "best": p.best}, out / "checkpoint.pt"
+        )
         return
     if new_best:
         p.best["dir"] = f"sharded/best-{p.epoch:04d}"

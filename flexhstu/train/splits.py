@@ -52,20 +52,42 @@ def prepare_data(a: argparse.Namespace) -> Splits:
     if a.task == "retrieval":
         seqs, valid, test = leave_one_out(data)
         if not seqs.items:
-            raise ValueError(f"--data {a.data}: expected a user with 3 or more events (one to train on, one to "
-                             f"validate, one to test), got none; most events of a user: {_most_events(data)}")
+            raise ValueError(
+                f"--data {a.data}: expected a user with 3 or more events (one to train on, one to "
+                f"validate, one to test), got none; most events of a user: {_most_events(data)}"
+            )
         train_items = [x[:-2] for x in seqs.items]
-        return Splits(data.num_items, len(data), list(range(len(seqs.items))), seqs, valid, test,
-                      train_items=train_items, **ids, weights=_targets(np.array([len(x) for x in train_items]), a))
+        return Splits(
+            data.num_items,
+            len(data),
+            list(range(len(seqs.items))),
+            seqs,
+            valid,
+            test,
+            train_items=train_items,
+            **ids,
+            weights=_targets(np.array([len(x) for x in train_items]), a),
+        )
     seqs = user_sequences(data)
     train_req = make_requests(seqs, "train", max_len=a.max_len, seed=a.seed)
     valid_req = make_requests(seqs, "valid", max_len=a.max_len, seed=a.seed + 1)
     test_req = make_requests(seqs, "test", max_len=a.max_len, seed=a.seed + 2)
     if not train_req.cand_items:
-        raise ValueError(f"--data {a.data}: ranking expected a user with {min_events()} or more events (and as many "
-                         f"unseen items as negatives), got none; most events of a user: {_most_events(data)}")
-    return Splits(data.num_items, len(data), list(range(len(train_req.cand_items))), seqs, valid_req, test_req,
-                  train_req=train_req, **ids, weights=np.array([len(c) for c in train_req.cand_items]))
+        raise ValueError(
+            f"--data {a.data}: ranking expected a user with {min_events()} or more events (and as many "
+            f"unseen items as negatives), got none; most events of a user: {_most_events(data)}"
+        )
+    return Splits(
+        data.num_items,
+        len(data),
+        list(range(len(train_req.cand_items))),
+        seqs,
+        valid_req,
+        test_req,
+        train_req=train_req,
+        **ids,
+        weights=np.array([len(c) for c in train_req.cand_items]),
+    )
 
 
 def _targets(train_lengths: np.ndarray, a: argparse.Namespace) -> np.ndarray:
@@ -80,8 +102,17 @@ def synthetic_retrieval(a: argparse.Namespace) -> Splits:
     seqs = UserSequences(items, src.column(1), times, src.num_items, np.arange(len(src)))
     small = max(len(src), src.num_items) <= IDS_IN_CHECKPOINT
     ids = {"item_ids": list(range(1, src.num_items + 1)), "user_ids": list(range(len(src)))} if small else {}
-    return Splits(src.num_items, src.num_events, list(range(len(src))), seqs, LazyItem(items, -2), LazyItem(items, -1),
-                  train_items=src.column(0, 0, -2), **ids, weights=_targets(src.lengths - 2, a))
+    return Splits(
+        src.num_items,
+        src.num_events,
+        list(range(len(src))),
+        seqs,
+        LazyItem(items, -2),
+        LazyItem(items, -1),
+        train_items=src.column(0, 0, -2),
+        **ids,
+        weights=_targets(src.lengths - 2, a),
+    )
 
 
 def file_ids(data, seqs: UserSequences) -> dict[str, list]:

@@ -30,8 +30,9 @@ def test_demo_checks_both_backends_against_the_reference_and_writes_pictures(tmp
     assert main(["demo", "--out", str(tmp_path)]) == 0
     text = capsys.readouterr().out
     rows = [line.split() for line in text.splitlines() if line.startswith(("causal", "sla", "onerank"))]
-    assert sorted((r[0], r[-6]) for r in rows) == sorted((m, b) for m in ("causal", "sla", "onerank")
-                                                         for b in ("pytorch", "triton"))
+    assert sorted((r[0], r[-6]) for r in rows) == sorted(
+        (m, b) for m in ("causal", "sla", "onerank") for b in ("pytorch", "triton")
+    )
     for row in rows:
         assert row[-1] == "pass" and float(row[-3]) < 1e-4  # max |err| against the float64 reference
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mask-causal.png", "mask-onerank.png", "mask-sla.png"]

@@ -17,12 +17,45 @@ from flexhstu.compat._kernels import to_kernel
 
 # The peers' parameter lists, in order (generative_recommenders/ops/hstu_attention.py,
 # tzrec/ops/hstu_attention.py, tzrec/ops/hstu_attention_utils.py).
-GR_PARAMS = ["max_seq_len", "alpha", "q", "k", "v", "seq_offsets", "causal", "dropout_pr", "training", "num_targets",
-             "attn_scale", "max_attn_len", "contextual_seq_len", "min_full_attn_seq_len", "sort_by_length", "kernel",
-             "enable_tma"]
-TZREC_PARAMS = ["max_seq_len", "alpha", "q", "k", "v", "seq_offsets", "causal", "dropout_pr", "training",
-                "num_targets", "max_attn_len", "contextual_seq_len", "min_full_attn_seq_len", "sort_by_length",
-                "kernel", "enable_tma", "attn_func", "scaling_seqlen"]
+GR_PARAMS = [
+    "max_seq_len",
+    "alpha",
+    "q",
+    "k",
+    "v",
+    "seq_offsets",
+    "causal",
+    "dropout_pr",
+    "training",
+    "num_targets",
+    "attn_scale",
+    "max_attn_len",
+    "contextual_seq_len",
+    "min_full_attn_seq_len",
+    "sort_by_length",
+    "kernel",
+    "enable_tma",
+]
+TZREC_PARAMS = [
+    "max_seq_len",
+    "alpha",
+    "q",
+    "k",
+    "v",
+    "seq_offsets",
+    "causal",
+    "dropout_pr",
+    "training",
+    "num_targets",
+    "max_attn_len",
+    "contextual_seq_len",
+    "min_full_attn_seq_len",
+    "sort_by_length",
+    "kernel",
+    "enable_tma",
+    "attn_func",
+    "scaling_seqlen",
+]
 SLA_PARAMS = ["nheads", "sla_k1", "sla_k2", "seq_offsets", "total_q", "num_targets", "contextual_seq_len", "device"]
 
 LENGTHS = [6, 0, 9, 4]
@@ -34,8 +67,9 @@ def batch(seed=0, heads=2, d=16):
     return offsets_from(LENGTHS), *(torch.randn(total, heads, d, generator=g, dtype=torch.float64) for _ in range(3))
 
 
-@pytest.mark.parametrize("fn,params", [(gr.hstu_mha, GR_PARAMS), (tzrec.hstu_mha, TZREC_PARAMS),
-                                       (tzrec.build_sla_func_tensor, SLA_PARAMS)])
+@pytest.mark.parametrize(
+    "fn,params", [(gr.hstu_mha, GR_PARAMS), (tzrec.hstu_mha, TZREC_PARAMS), (tzrec.build_sla_func_tensor, SLA_PARAMS)]
+)
 def test_signatures_are_the_peers_in_order(fn, params):
     assert list(inspect.signature(fn).parameters) == params
 
@@ -52,8 +86,9 @@ def test_gr_attn_scale_is_the_eleventh_positional_argument():
     nt = torch.tensor([2, 0, 3, 1])
     scale = torch.linspace(0.1, 1.0, q.shape[0], dtype=torch.float64)
     got = gr.hstu_mha(9, 0.3, q, k, v, offs, True, 0.0, True, nt, scale, 2)
-    want = flexhstu.hstu_mha(9, 0.3, q, k, v, offs, num_targets=nt, max_attn_len=2, attn_scale=scale,
-                             kernel=Kernel.PYTORCH)
+    want = flexhstu.hstu_mha(
+        9, 0.3, q, k, v, offs, num_targets=nt, max_attn_len=2, attn_scale=scale, kernel=Kernel.PYTORCH
+    )
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert not torch.allclose(got, gr.hstu_mha(9, 0.3, q, k, v, offs, True, 0.0, True, nt, None, 2))
 
@@ -102,13 +137,22 @@ class _ForeignKernel(Enum):  # a peer's enum that flexhstu has never imported
     CUTLASS = 7
 
 
-@pytest.mark.parametrize("given,want", [
-    (gr.HammerKernel.PYTORCH, Kernel.PYTORCH), (gr.HammerKernel.TRITON_CC, Kernel.TRITON),
-    (gr.HammerKernel.CUDA, Kernel.CUTLASS), (tzrec.Kernel.CUTLASS, Kernel.CUTLASS),
-    (tzrec.Kernel.TRITON, Kernel.TRITON), (_ForeignKernel.TRITON_CC, Kernel.TRITON),
-    (_ForeignKernel.CUTLASS, Kernel.CUTLASS), ("TRITON_INFERENCE", Kernel.TRITON), ("PYTORCH", Kernel.PYTORCH),
-    ("auto", Kernel.AUTO), (Kernel.TRITON, Kernel.TRITON),
-])
+@pytest.mark.parametrize(
+    "given,want",
+    [
+        (gr.HammerKernel.PYTORCH, Kernel.PYTORCH),
+        (gr.HammerKernel.TRITON_CC, Kernel.TRITON),
+        (gr.HammerKernel.CUDA, Kernel.CUTLASS),
+        (tzrec.Kernel.CUTLASS, Kernel.CUTLASS),
+        (tzrec.Kernel.TRITON, Kernel.TRITON),
+        (_ForeignKernel.TRITON_CC, Kernel.TRITON),
+        (_ForeignKernel.CUTLASS, Kernel.CUTLASS),
+        ("TRITON_INFERENCE", Kernel.TRITON),
+        ("PYTORCH", Kernel.PYTORCH),
+        ("auto", Kernel.AUTO),
+        (Kernel.TRITON, Kernel.TRITON),
+    ],
+)
 def test_peer_kernel_enums_and_names_map_to_ours(given, want):
     assert to_kernel(given) is want
 

@@ -21,22 +21,27 @@ def _csv(tmp_path, rows: list[str]):
 
 def test_ids_are_parsed_exactly_as_integers(tmp_path):
     big = 2**53
-    d = load(str(_csv(tmp_path, [f"{big},1,4,10", f"{big + 1},2,3,11", "7,3,5,9223372036854775807"])),
-             cache_dir=tmp_path / "cache")
+    d = load(
+        str(_csv(tmp_path, [f"{big},1,4,10", f"{big + 1},2,3,11", "7,3,5,9223372036854775807"])),
+        cache_dir=tmp_path / "cache",
+    )
     assert d.user.tolist() == [big, big + 1, 7]  # through float64 both users were 2^53
     assert d.timestamp.tolist() == [10, 11, 2**63 - 1]
 
 
-@pytest.mark.parametrize("row,column,got", [
-    ("1.5,2,4,10", "user", "1.5"),
-    ("nan,2,4,10", "user", "nan"),
-    ("1,2e3,4,10", "item", "2e3"),
-    ("1,2,4,10.25", "timestamp", "10.25"),
-    ("1,2,4,9223372036854775808", "timestamp", "9223372036854775808"),
-    ("1,2,nan,10", "rating", "nan"),
-    ("1,2,inf,10", "rating", "inf"),
-    ("1,2,4", "timestamp", ""),
-])
+@pytest.mark.parametrize(
+    "row,column,got",
+    [
+        ("1.5,2,4,10", "user", "1.5"),
+        ("nan,2,4,10", "user", "nan"),
+        ("1,2e3,4,10", "item", "2e3"),
+        ("1,2,4,10.25", "timestamp", "10.25"),
+        ("1,2,4,9223372036854775808", "timestamp", "9223372036854775808"),
+        ("1,2,nan,10", "rating", "nan"),
+        ("1,2,inf,10", "rating", "inf"),
+        ("1,2,4", "timestamp", ""),
+    ],
+)
 def test_a_bad_value_names_the_file_the_line_and_the_column(tmp_path, row, column, got):
     f = _csv(tmp_path, ["1,1,4,5", row])
     kind = "a finite number" if column == "rating" else "an integer"
@@ -62,13 +67,19 @@ for r in range(rounds):
 
 def test_concurrent_first_loads_into_a_fresh_cache_all_succeed(tmp_path):
     rng = np.random.default_rng(0)
-    src = _csv(tmp_path, [f"{u},{i},4,{t}" for u, i, t in zip(rng.integers(0, 50, 2000), rng.integers(0, 300, 2000),
-                                                              range(2000))])
+    src = _csv(
+        tmp_path,
+        [f"{u},{i},4,{t}" for u, i, t in zip(rng.integers(0, 50, 2000), rng.integers(0, 300, 2000), range(2000))],
+    )
     procs, rounds = 4, 6
     root = tmp_path / "runs"
     root.mkdir()
-    ps = [subprocess.Popen([sys.executable, "-c", LOADER, str(src), str(root), str(rounds), str(k)],
-                           stderr=subprocess.PIPE, text=True) for k in range(procs)]
+    ps = [
+        subprocess.Popen(
+            [sys.executable, "-c", LOADER, str(src), str(root), str(rounds), str(k)], stderr=subprocess.PIPE, text=True
+        )
+        for k in range(procs)
+    ]
     try:
         while len(list(root.glob("ready-*"))) < procs:
             time.sleep(0.01)
@@ -136,13 +147,21 @@ def test_any_csv_or_parquet_is_read_through_a_column_mapping(tmp_path, fmt):
     assert unrated.rating.tolist() == [1.0] * 4
 
 
-@pytest.mark.parametrize("columns,msg", [
-    ({"user": "uid", "item": "movie", "time": "ts"}, r"events.csv: expected column 'movie' \(--columns item=movie\), "
-                                                     r"missing \(found \['ts', 'uid', 'iid', 'stars', 'extra'\]\)"),
-    ({"user": "uid", "item": "iid", "time": "extra"}, r"events.csv: column 'extra' expected integers, got string"),
-    ({"user": "uid", "item": "iid", "time": "ts", "rating": "extra"},
-     r"events.csv: column 'extra' expected numbers, got string"),
-])
+@pytest.mark.parametrize(
+    "columns,msg",
+    [
+        (
+            {"user": "uid", "item": "movie", "time": "ts"},
+            r"events.csv: expected column 'movie' \(--columns item=movie\), "
+            r"missing \(found \['ts', 'uid', 'iid', 'stars', 'extra'\]\)",
+        ),
+        ({"user": "uid", "item": "iid", "time": "extra"}, r"events.csv: column 'extra' expected integers, got string"),
+        (
+            {"user": "uid", "item": "iid", "time": "ts", "rating": "extra"},
+            r"events.csv: column 'extra' expected numbers, got string",
+        ),
+    ],
+)
 def test_a_mapped_file_names_itself_and_the_bad_column(tmp_path, columns, msg):
     with pytest.raises(ValueError, match=msg):
         load(str(_events(tmp_path)), columns=columns)
@@ -159,25 +178,38 @@ def test_an_integer_beyond_int64_in_a_mapped_csv_is_named_as_out_of_range(tmp_pa
     f.write_text("uid,iid,ts\n" + "".join(f"{u},{i},{t}\n" for u, i, t in zip(*rows.values())))
     with pytest.raises(ValueError) as e:
         load(str(f), columns={"user": "uid", "item": "iid", "time": "ts"})
-    assert str(e.value) == (f"{f}: column '{column}' (--columns {key}={column}) expected integers from -2^63 to "
-                            f"2^63 - 1 (int64), got {big} (data row 2)")
+    assert str(e.value) == (
+        f"{f}: column '{column}' (--columns {key}={column}) expected integers from -2^63 to "
+        f"2^63 - 1 (int64), got {big} (data row 2)"
+    )
 
 
 def test_an_integer_beyond_int64_in_a_ratings_file_says_so(tmp_path):
     f = tmp_path / "ratings.csv"
     f.write_text("userId,movieId,rating,timestamp\n1,10,4.5,100\n-99999999999999999999,10,4.5,100\n")
-    with pytest.raises(ValueError, match=r"line 3, column 'user': expected an integer, got '-99999999999999999999' "
-                                         r"\(outside the int64 range\)$"):
+    with pytest.raises(
+        ValueError,
+        match=r"line 3, column 'user': expected an integer, got '-99999999999999999999' "
+        r"\(outside the int64 range\)$",
+    ):
         load(str(f), cache_dir=tmp_path / "cache")
 
 
 def test_column_mappings_are_parsed_and_checked():
     from flexhstu.data.movielens import parse_columns
 
-    assert parse_columns("user=uid, item=iid,time=ts,rating=r") == {"user": "uid", "item": "iid", "time": "ts",
-                                                                     "rating": "r"}
-    for bad, msg in (("user=uid,item=iid", "missing time"), ("user=uid,item=iid,time=ts,score=s", "KEY in"),
-                     ("user=uid,user=u2,item=i,time=t", "'user' twice"), ("user,item=i,time=t", "got 'user'")):
+    assert parse_columns("user=uid, item=iid,time=ts,rating=r") == {
+        "user": "uid",
+        "item": "iid",
+        "time": "ts",
+        "rating": "r",
+    }
+    for bad, msg in (
+        ("user=uid,item=iid", "missing time"),
+        ("user=uid,item=iid,time=ts,score=s", "KEY in"),
+        ("user=uid,user=u2,item=i,time=t", "'user' twice"),
+        ("user,item=i,time=t", "got 'user'"),
+    ):
         with pytest.raises(ValueError, match=msg):
             parse_columns(bad)
 
@@ -198,15 +230,28 @@ def test_uint64_ids_above_int64_keep_their_values_and_huge_timestamps_are_refuse
 
     big = 2**63 + 5  # cast to int64, this id would wrap to a negative number
     f = tmp_path / "events.parquet"
-    pq.write_table(pa.table({"user": pa.array([big, 3], pa.uint64()), "item": pa.array([big, 1], pa.uint64()),
-                             "rating": [1.0, 2.0], "timestamp": pa.array([1, 2], pa.uint64())}), f)
+    pq.write_table(
+        pa.table(
+            {
+                "user": pa.array([big, 3], pa.uint64()),
+                "item": pa.array([big, 1], pa.uint64()),
+                "rating": [1.0, 2.0],
+                "timestamp": pa.array([1, 2], pa.uint64()),
+            }
+        ),
+        f,
+    )
     d = load(str(f))
     assert d.user_ids.tolist() == [3, big] and d.user.tolist() == [1, 0]
     assert d.item_ids.tolist() == [1, big] and d.item.tolist() == [2, 1]
-    pq.write_table(pa.table({"user": [1], "item": [1], "rating": [1.0],
-                             "timestamp": pa.array([2**63], pa.uint64())}), f)
-    with pytest.raises(ValueError, match=r"events.parquet: column 'timestamp' expected timestamps below 2\^63, got "
-                                         r"9223372036854775808"):
+    pq.write_table(
+        pa.table({"user": [1], "item": [1], "rating": [1.0], "timestamp": pa.array([2**63], pa.uint64())}), f
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"events.parquet: column 'timestamp' expected timestamps below 2\^63, got "
+        r"9223372036854775808",
+    ):
         load(str(f))
 
 
@@ -214,8 +259,15 @@ def test_the_data_digest_follows_the_contents_not_the_file():
     from flexhstu.data import Interactions, data_digest
 
     def data(user, item_ids=("a", "b")):
-        return Interactions(np.array(user), np.array([1, 2, 1]), np.ones(3), np.array([5, 6, 7]), 2, "x",
-                            np.array(item_ids, dtype=object))
+        return Interactions(
+            np.array(user),
+            np.array([1, 2, 1]),
+            np.ones(3),
+            np.array([5, 6, 7]),
+            2,
+            "x",
+            np.array(item_ids, dtype=object),
+        )
 
     same = data_digest(data([0, 0, 1]))
     assert data_digest(data([0, 0, 1])) == same
@@ -227,8 +279,9 @@ def test_the_data_digest_follows_the_contents_not_the_file():
 def test_one_column_for_two_keys_is_refused():
     from flexhstu.data.movielens import parse_columns
 
-    with pytest.raises(ValueError, match="--columns: expected a different column for each key, got 'uid' for both "
-                                         "user and item"):
+    with pytest.raises(
+        ValueError, match="--columns: expected a different column for each key, got 'uid' for both user and item"
+    ):
         parse_columns("user=uid,item=uid,time=ts")
 
 

@@ -45,17 +45,16 @@ def bias_check(lengths, heads, dim, dtype, name, *, positions, per_head, kind="s
     pos_w = torch.randn(*lead, 2 * positions - 1, device="cuda").mul_(0.5).requires_grad_(True)
     ts_w = torch.randn(*lead, 129, device="cuda").mul_(0.5).requires_grad_(True)
     ts = times(lengths, kind)
-    out = flexhstu.hstu_mha(n, None, q, k, v, offs, rel_bias=RelativeBias(pos_w, ts_w, ts), kernel=Kernel.TRITON,
-                            **kw)
+    out = flexhstu.hstu_mha(n, None, q, k, v, offs, rel_bias=RelativeBias(pos_w, ts_w, ts), kernel=Kernel.TRITON, **kw)
     grads = torch.autograd.grad(out, (q, k, v, pos_w, ts_w), dout)
     leaves = [x.detach().float().requires_grad_(True) for x in (q, k, v, pos_w, ts_w)]
-    ref = flexhstu.hstu_mha(n, None, *leaves[:3], offs, rel_bias=RelativeBias(*leaves[3:], ts), kernel=Kernel.PYTORCH,
-                            **kw)
+    ref = flexhstu.hstu_mha(
+        n, None, *leaves[:3], offs, rel_bias=RelativeBias(*leaves[3:], ts), kernel=Kernel.PYTORCH, **kw
+    )
     rgrads = torch.autograd.grad(ref, leaves, dout.float())
     errs = {"out": rel(out, ref)}
     errs.update({w: rel(g, r) for w, g, r in zip(("dq", "dk", "dv", "dpos_w", "dts_w"), grads, rgrads)})
-    check(f"bias {name} P={positions} {'per-head' if per_head else 'shared'} {kind} {str(dtype)[6:]} L={lengths}",
-          errs)
+    check(f"bias {name} P={positions} {'per-head' if per_head else 'shared'} {kind} {str(dtype)[6:]} L={lengths}", errs)
 
 
 @pytest.mark.parametrize("name", ["causal", "fixed targets+ctx+window", "sla 256/32", "onerank", "random per-head 5"])

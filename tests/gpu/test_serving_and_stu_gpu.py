@@ -40,8 +40,18 @@ def test_delta_rows_equal_the_training_forward_rows(name):
     q_offs, q_start = flexhstu.last_rows_offsets(offs, delta)
     rows = (q_start[:, None] + offs[:-1, None] + torch.arange(delta, device="cuda")[None, :]).reshape(-1)
     full = flexhstu.hstu_mha(n, None, q, k, v, offs, attn_func=func, kernel=Kernel.TRITON)
-    got = flexhstu.delta_hstu_mha(n, None, q[rows], k, v, offs, kernel=Kernel.TRITON, q_offsets=q_offs,
-                                  q_start=q_start, attn_func=func[:, :, rows].contiguous())
+    got = flexhstu.delta_hstu_mha(
+        n,
+        None,
+        q[rows],
+        k,
+        v,
+        offs,
+        kernel=Kernel.TRITON,
+        q_offsets=q_offs,
+        q_start=q_start,
+        attn_func=func[:, :, rows].contiguous(),
+    )
     ref = flexhstu.hstu_mha(n, None, q.float(), k.float(), v.float(), offs, attn_func=func, kernel=Kernel.PYTORCH)
     check(f"delta {name} B{b} last {delta} rows", {"delta_vs_training": rel(got, full[rows])}, tol=2e-3)
     check(f"delta {name} vs float32 reference", {"out": rel(got, ref[rows])})
@@ -104,8 +114,11 @@ def test_stu_stack_captured_in_a_cuda_graph_equals_eager(mask):
     xg = x.detach().clone().requires_grad_(True)
     out_g = graphed(xg)
     grads_g = torch.autograd.grad(out_g, [xg, *stack.parameters()], dout)
-    errs = {"out": rel(out_g, out_e), "dx": rel(grads_g[0], grads_e[0]),
-            "worst_param_grad": max(rel(a, b) for a, b in zip(grads_g[1:], grads_e[1:]))}
+    errs = {
+        "out": rel(out_g, out_e),
+        "dx": rel(grads_g[0], grads_e[0]),
+        "worst_param_grad": max(rel(a, b) for a, b in zip(grads_g[1:], grads_e[1:])),
+    }
     check(f"STU stack in a CUDA graph vs eager, {mask}", errs, tol=1e-3)
 
 
@@ -131,16 +144,22 @@ def test_cached_scoring_with_cuda_graphs_equals_eager_micro_batches():
     again = model.score_cached(cache, users, items, coffs, micro_batch=64)  # None: graphs (5 of <= 768 rows)
     with torch.no_grad():
         full = model(hist, times, hoffs, items, coffs, max_seq_len=1000 + 4 * cands)
-    check("cached scoring, CUDA graphs", {"graphs_vs_eager": rel(graphed, eager), "auto_vs_eager": rel(again, eager)},
-          tol=1e-3)
+    check(
+        "cached scoring, CUDA graphs",
+        {"graphs_vs_eager": rel(graphed, eager), "auto_vs_eager": rel(again, eager)},
+        tol=1e-3,
+    )
     check("cached scoring vs full recompute", {"scores": rel(eager, full)}, tol=3e-2)
 
 
-@pytest.mark.parametrize(("mask", "mode", "rel_bias", "plan"), [
-    ("causal", None, False, "outside"),
-    ("window 256", "reduce-overhead", False, "inside"),
-    ("sla 256/32", None, True, "outside"),
-])
+@pytest.mark.parametrize(
+    ("mask", "mode", "rel_bias", "plan"),
+    [
+        ("causal", None, False, "outside"),
+        ("window 256", "reduce-overhead", False, "inside"),
+        ("sla 256/32", None, True, "outside"),
+    ],
+)
 def test_stu_stack_compiled_whole_equals_eager_on_the_triton_kernels(mask, mode, rel_bias, plan):
     # torch.compile(model) of the whole stack, fullgraph, as users compile a model: the attention is the
     # Triton custom op inside the graph, the plan built by the caller or by the stack.
@@ -148,10 +167,20 @@ def test_stu_stack_compiled_whole_equals_eager_on_the_triton_kernels(mask, mode,
     lengths = [2048, 777, 0, 1500]
     offs = offsets(lengths)
     total, n = sum(lengths), max(lengths)
-    kw = {"window 256": {"max_attn_len": 256}, "causal": {},
-          "sla 256/32": {"attn_func": masks.sla(offs, 256, 32, total=total)}}[mask]
-    cfg = STULayerConfig(embedding_dim=256, num_heads=2, attention_dim=64, hidden_dim=64, dropout=0.0,
-                         rel_bias=rel_bias, rel_bias_max_len=n)
+    kw = {
+        "window 256": {"max_attn_len": 256},
+        "causal": {},
+        "sla 256/32": {"attn_func": masks.sla(offs, 256, 32, total=total)},
+    }[mask]
+    cfg = STULayerConfig(
+        embedding_dim=256,
+        num_heads=2,
+        attention_dim=64,
+        hidden_dim=64,
+        dropout=0.0,
+        rel_bias=rel_bias,
+        rel_bias_max_len=n,
+    )
     stack = STUStack(cfg, 2).cuda().to(torch.bfloat16)
     if plan == "outside":
         kw["attn_plan"] = flexhstu.build_plan(offs, total=total, max_seq_len=n, **kw)
@@ -167,6 +196,9 @@ def test_stu_stack_compiled_whole_equals_eager_on_the_triton_kernels(mask, mode,
         grads = torch.autograd.grad(out, [xi, *stack.parameters()], dout)
         results.append((out.clone(), [g.clone() for g in grads]))  # a later replay may reuse graph outputs
     (o_e, g_e), (o_c, g_c) = results[0], results[-1]
-    errs = {"out": rel(o_c, o_e), "dx": rel(g_c[0], g_e[0]),
-            "worst_param_grad": max(rel(a, b) for a, b in zip(g_c[1:], g_e[1:]))}
+    errs = {
+        "out": rel(o_c, o_e),
+        "dx": rel(g_c[0], g_e[0]),
+        "worst_param_grad": max(rel(a, b) for a, b in zip(g_c[1:], g_e[1:])),
+    }
     check(f"STU stack compiled whole vs eager, {mask}, mode {mode}, bias {rel_bias}", errs, tol=TOL)

@@ -86,8 +86,15 @@ def full_check(lengths, heads, dim, dtype, name, dim_v=None):
     check(f"{name} Dqk{dim} Dv{dim_v} {str(dtype)[6:]} L={lengths}", errs)
 
 
-ALL_MASKS = ["causal", "fixed targets+ctx+window", "sla 256/32", "sla 256/32 widened 5", "onerank",
-             "random per-head 5", "sla stride-0 expand"]
+ALL_MASKS = [
+    "causal",
+    "fixed targets+ctx+window",
+    "sla 256/32",
+    "sla 256/32 widened 5",
+    "onerank",
+    "random per-head 5",
+    "sla stride-0 expand",
+]
 
 
 @pytest.mark.parametrize("name", ALL_MASKS)
@@ -151,10 +158,18 @@ def sampled_check(name, lengths, heads, dim, func_builder, causal_path=False):
     start = total - L
     alpha, scale = dim**-0.5, float(n)
     g = torch.Generator(device="cuda").manual_seed(1)
-    local = torch.cat([torch.tensor([0, 1, 31, 32, 33, 255, 256, 257, L // 2, L - 2, L - 1], device="cuda"),
-                       torch.randint(0, L, (53,), device="cuda", generator=g)]).clamp(0, L - 1).unique()
+    local = (
+        torch.cat(
+            [
+                torch.tensor([0, 1, 31, 32, 33, 255, 256, 257, L // 2, L - 2, L - 1], device="cuda"),
+                torch.randint(0, L, (53,), device="cuda", generator=g),
+            ]
+        )
+        .clamp(0, L - 1)
+        .unique()
+    )
     cols_all = torch.arange(L, device="cuda")
-    Q, K, V, DO = (x.detach()[start:start + L].float() for x in (q, k, v, dout))
+    Q, K, V, DO = (x.detach()[start : start + L].float() for x in (q, k, v, dout))
     ref_o, ref_dq, ref_dk, ref_dv = [], [], [], []
     for i in local.tolist():
         m = _visible_rows(func, torch.tensor([start + i], device="cuda"), cols_all, L)[0][None].float()
@@ -172,9 +187,13 @@ def sampled_check(name, lengths, heads, dim, func_builder, causal_path=False):
         ds = torch.einsum("ihd,hd->hi", DO, V[j]) * sig * (1 + s * (1 - sig)) * m
         ref_dk.append(torch.einsum("hi,ihd->hd", ds, Q) * alpha / scale)
     sel = start + local
-    errs = {"out": rel(out[sel], torch.stack(ref_o)), "dq": rel(dq[sel], torch.stack(ref_dq)),
-            "dk": rel(dk[sel], torch.stack(ref_dk)), "dv": rel(dv[sel], torch.stack(ref_dv)),
-            "nan_anywhere": float("nan") if any(torch.isnan(x).any() for x in (out, dq, dk, dv)) else 0.0}
+    errs = {
+        "out": rel(out[sel], torch.stack(ref_o)),
+        "dq": rel(dq[sel], torch.stack(ref_dq)),
+        "dk": rel(dk[sel], torch.stack(ref_dk)),
+        "dv": rel(dv[sel], torch.stack(ref_dv)),
+        "nan_anywhere": float("nan") if any(torch.isnan(x).any() for x in (out, dq, dk, dv)) else 0.0,
+    }
     check(f"{name} total={total} H{heads} D{dim} ({elapsed:.1f}s)", errs)
 
 
@@ -183,8 +202,9 @@ def test_sla_131072_token_sequence():
 
 
 def test_causal_131072_token_sequence():
-    sampled_check("causal 131072-token sequence", [131072], 1, 64, lambda o, t: masks.causal(o, total=t),
-                  causal_path=True)
+    sampled_check(
+        "causal 131072-token sequence", [131072], 1, 64, lambda o, t: masks.causal(o, total=t), causal_path=True
+    )
 
 
 def test_more_than_2_pow_31_elements():
@@ -195,8 +215,10 @@ def test_more_than_2_pow_31_elements():
 def _qkv(lengths, heads, dim, dtype=torch.bfloat16, scale=1.0, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     total = sum(lengths)
-    return [(scale * torch.randn(total, heads, dim, device="cuda", generator=g)).to(dtype).requires_grad_(True)
-            for _ in range(3)]
+    return [
+        (scale * torch.randn(total, heads, dim, device="cuda", generator=g)).to(dtype).requires_grad_(True)
+        for _ in range(3)
+    ]
 
 
 def _strided(x):
@@ -257,8 +279,9 @@ def test_nan_in_one_sequence_never_reaches_another(name):
         runs.append((out, *torch.autograd.grad(out, (q, k, v), do)))
     keep = torch.ones(sum(lengths), dtype=torch.bool, device="cuda")
     keep[bad] = False
-    errs = {w: 0.0 if torch.equal(a[keep], b[keep]) else float("nan")
-            for w, a, b in zip(("out", "dq", "dk", "dv"), *runs)}
+    errs = {
+        w: 0.0 if torch.equal(a[keep], b[keep]) else float("nan") for w, a, b in zip(("out", "dq", "dk", "dv"), *runs)
+    }
     check(f"NaN/Inf in sequence 1 only ({name}): other sequences unchanged", errs, tol=0.0)
 
 
@@ -266,7 +289,7 @@ def _dense_fp32_causal(q, k, v, lengths, alpha, scale):
     """Float32 causal HSTU attention, one sequence at a time (an independent reference)."""
     outs, start = [], 0
     for L in lengths:
-        qs, ks, vs = (x[start:start + L].float().transpose(0, 1) for x in (q, k, v))  # (H, L, D)
+        qs, ks, vs = (x[start : start + L].float().transpose(0, 1) for x in (q, k, v))  # (H, L, D)
         s = alpha * qs @ ks.transpose(1, 2)
         keep = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
         outs.append(((torch.nn.functional.silu(s) * keep) @ vs / scale).transpose(0, 1))
@@ -344,11 +367,20 @@ def test_safe_offsets_on_cuda_and_kernels_that_follow_them():
     errs = {"out": rel(out, ref)}
     q_offs = torch.tensor([0, 100, 50, 300, 9000], device="cuda")  # the delta call's query offsets, bad too
     q, k, v = (x.detach() for x in (q, k, v))  # the delta op is forward only
-    got = triton_delta_hstu_mha(q[:300], k, v, bad, q_offs, torch.tensor([5, 0, 600, 0], device="cuda"),
-                                alpha=0.125, out_scale=1 / 2000)
+    got = triton_delta_hstu_mha(
+        q[:300], k, v, bad, q_offs, torch.tensor([5, 0, 600, 0], device="cuda"), alpha=0.125, out_scale=1 / 2000
+    )
     want = pytorch_delta_hstu_mha(
-        q[:300].float(), k.float(), v.float(), safe, _safe_reference(q_offs, 300),
-        torch.tensor([5, 0, 600, 0], device="cuda"), masks.rules.FixedRule(), alpha=0.125, scaling_seqlen=2000,
-        max_seq_len=5000)
+        q[:300].float(),
+        k.float(),
+        v.float(),
+        safe,
+        _safe_reference(q_offs, 300),
+        torch.tensor([5, 0, 600, 0], device="cuda"),
+        masks.rules.FixedRule(),
+        alpha=0.125,
+        scaling_seqlen=2000,
+        max_seq_len=5000,
+    )
     errs["delta"] = rel(got, want)
     check(f"bad offsets {bad.tolist()}: kernels follow the safe copy {safe.tolist()}", errs)

@@ -67,8 +67,13 @@ def test_target_row_under_slid_window_needs_three_intervals():
 
 
 @given(
-    data=st.data(), lengths=lengths_st, dtype=offset_dtype_st, k1=st.integers(1, 6), k2=st.integers(0, 5),
-    c=st.integers(0, 4), use_targets=st.booleans(),
+    data=st.data(),
+    lengths=lengths_st,
+    dtype=offset_dtype_st,
+    k1=st.integers(1, 6),
+    k2=st.integers(0, 5),
+    c=st.integers(0, 4),
+    use_targets=st.booleans(),
 )
 def test_sla_matches_the_seed_rule(data, lengths, dtype, k1, k2, c, use_targets):
     offs = offsets_from(lengths, dtype)
@@ -97,7 +102,9 @@ def test_sla_with_full_window_and_no_prefix_is_causal(lengths):
 
 
 @given(
-    data=st.data(), hist=st.lists(st.integers(0, 6), min_size=1, max_size=3), group=st.integers(1, 4),
+    data=st.data(),
+    hist=st.lists(st.integers(0, 6), min_size=1, max_size=3),
+    group=st.integers(1, 4),
     dtype=offset_dtype_st,
 )
 def test_onerank_matches_the_rule(data, hist, group, dtype):

@@ -27,7 +27,8 @@ def test_interchange_width_is_five():
 
 
 @given(
-    lengths=st.lists(st.integers(0, 9), min_size=1, max_size=4), seed=st.integers(0, 1000),
+    lengths=st.lists(st.integers(0, 9), min_size=1, max_size=4),
+    seed=st.integers(0, 1000),
     extra=st.sampled_from([2, 4]),
 )
 def test_widened_masks_decode_identically_and_padding_is_empty(lengths, seed, extra):
@@ -73,7 +74,9 @@ def test_decode_reads_every_interval_of_a_five_wide_func():
 
 
 @given(
-    lengths=st.lists(st.integers(0, 9), min_size=1, max_size=4), seed=st.integers(0, 1000), hf=st.sampled_from([1, 3]),
+    lengths=st.lists(st.integers(0, 9), min_size=1, max_size=4),
+    seed=st.integers(0, 1000),
+    hf=st.sampled_from([1, 3]),
     nfunc=st.sampled_from([1, 3, 5, 7]),
 )
 def test_from_dense_round_trips(lengths, seed, hf, nfunc):
@@ -140,7 +143,9 @@ def test_builders_reject_bad_parameters():
 
 
 @given(
-    lengths=st.lists(st.integers(0, 9), min_size=1, max_size=4), seed=st.integers(0, 1000), hf=st.sampled_from([1, 2]),
+    lengths=st.lists(st.integers(0, 9), min_size=1, max_size=4),
+    seed=st.integers(0, 1000),
+    hf=st.sampled_from([1, 2]),
     nfunc=st.sampled_from([1, 3, 5, 7]),
 )
 def test_count_visible_equals_the_dense_count(lengths, seed, hf, nfunc):
@@ -150,10 +155,13 @@ def test_count_visible_equals_the_dense_count(lengths, seed, hf, nfunc):
     assert masks.count_visible(func, offs).tolist() == dense.sum(dim=(0, 2, 3)).tolist()
 
 
-@pytest.mark.parametrize("offs,msg", [
-    ([1, 4, 8], r"seq_offsets\[0\]: expected 0, got 1"),
-    ([0, 5, 3], r"seq_offsets: expected non-decreasing offsets"),
-])
+@pytest.mark.parametrize(
+    "offs,msg",
+    [
+        ([1, 4, 8], r"seq_offsets\[0\]: expected 0, got 1"),
+        ([0, 5, 3], r"seq_offsets: expected non-decreasing offsets"),
+    ],
+)
 def test_from_dense_refuses_bad_offsets(offs, msg):
     # Unchecked, [1, 4, 8] gives a func shifted by one row and [0, 5, 3] an IndexError.
     dense = torch.ones(2, 6, 6, dtype=torch.bool)
@@ -223,6 +231,9 @@ def test_the_picture_draws_empty_batches_and_names_cell_and_path(tmp_path):
         picture.render(empty, offs, 0, out, cell=-2)
     with pytest.raises(TypeError, match=r"^cell: expected a non-negative int, got float$"):
         picture.render(empty, offs, 0, out, cell=2.5)
-    with pytest.raises(ValueError, match=r"^path: expected a file name ending in an image extension such as \.png, "
-                                         r"got '.*mask'$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^path: expected a file name ending in an image extension such as \.png, "
+        r"got '.*mask'$",
+    ):
         picture.render(empty, offs, 0, str(tmp_path / "mask"))

@@ -14,15 +14,43 @@ from flexhstu.nn import STULayerConfig, STUStack
 
 LENGTHS = [9, 0, 13, 4]
 DIM, HEADS = 16, 2
-TINY = ["--data", "synthetic", "--dim", "16", "--layers", "1", "--heads", "2", "--max-len", "20", "--batch-size", "64",
-        "--negatives", "32", "--quiet", "--device", "cpu", "--epochs", "2"]
+TINY = [
+    "--data",
+    "synthetic",
+    "--dim",
+    "16",
+    "--layers",
+    "1",
+    "--heads",
+    "2",
+    "--max-len",
+    "20",
+    "--batch-size",
+    "64",
+    "--negatives",
+    "32",
+    "--quiet",
+    "--device",
+    "cpu",
+    "--epochs",
+    "2",
+]
 
 
 def _stack(recompute: bool, rel_bias: bool = True) -> STUStack:
     torch.manual_seed(0)
-    cfg = STULayerConfig(embedding_dim=DIM, num_heads=HEADS, attention_dim=8, hidden_dim=8, dropout=0.0,
-                         recompute=recompute, compile=False, rel_bias=rel_bias, rel_bias_max_len=16,
-                         rel_bias_buckets=32)
+    cfg = STULayerConfig(
+        embedding_dim=DIM,
+        num_heads=HEADS,
+        attention_dim=8,
+        hidden_dim=8,
+        dropout=0.0,
+        recompute=recompute,
+        compile=False,
+        rel_bias=rel_bias,
+        rel_bias_max_len=16,
+        rel_bias_buckets=32,
+    )
     return STUStack(cfg, 2)
 
 
@@ -39,8 +67,10 @@ def test_every_layer_owns_a_bias_and_its_tables_get_gradients_in_the_lean_and_pl
     for recompute in (True, False):
         stack = _stack(recompute)
         out = stack(x, offs, max(LENGTHS), ts)
-        grads = torch.autograd.grad(out.square().sum(), [layer.rel_bias.ts_w for layer in stack.layers]
-                                    + [layer.rel_bias.pos_w for layer in stack.layers])
+        grads = torch.autograd.grad(
+            out.square().sum(),
+            [layer.rel_bias.ts_w for layer in stack.layers] + [layer.rel_bias.pos_w for layer in stack.layers],
+        )
         assert all(g.abs().sum() > 0 for g in grads)
         outs[recompute] = out, grads
     torch.testing.assert_close(outs[True][0], outs[False][0], rtol=1e-5, atol=1e-5)

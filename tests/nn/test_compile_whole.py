@@ -18,8 +18,9 @@ from flexhstu.nn import STULayerConfig, STUStack
 
 LENGTHS = [21, 0, 34, 9]
 DIM = 32
-interpreting = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                  reason="needs TRITON_INTERPRET=1 for the Triton kernel on CPU")
+interpreting = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 for the Triton kernel on CPU"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -31,8 +32,16 @@ def _fresh_dynamo():
 
 def _stack(rel_bias: bool, kernel: Kernel = Kernel.PYTORCH) -> STUStack:
     torch.manual_seed(0)
-    cfg = STULayerConfig(embedding_dim=DIM, num_heads=2, attention_dim=8, hidden_dim=16, dropout=0.0, kernel=kernel,
-                         rel_bias=rel_bias, rel_bias_max_len=64)
+    cfg = STULayerConfig(
+        embedding_dim=DIM,
+        num_heads=2,
+        attention_dim=8,
+        hidden_dim=16,
+        dropout=0.0,
+        kernel=kernel,
+        rel_bias=rel_bias,
+        rel_bias_max_len=64,
+    )
     return STUStack(cfg, 2)
 
 
@@ -61,12 +70,15 @@ def _assert_close(got, want, rtol=1e-4):
         torch.testing.assert_close(g, w, rtol=rtol, atol=rtol * scale)
 
 
-@pytest.mark.parametrize(("mask", "fullgraph", "plan", "rel_bias", "mode"), [
-    ("causal", True, "outside", False, None),
-    ("window", False, "inside", True, None),
-    ("sla", True, "inside", True, None),
-    ("targets", True, "outside", True, "reduce-overhead"),
-])
+@pytest.mark.parametrize(
+    ("mask", "fullgraph", "plan", "rel_bias", "mode"),
+    [
+        ("causal", True, "outside", False, None),
+        ("window", False, "inside", True, None),
+        ("sla", True, "inside", True, None),
+        ("targets", True, "outside", True, "reduce-overhead"),
+    ],
+)
 def test_stu_stack_compiled_whole_gives_the_eager_output_and_gradients(mask, fullgraph, plan, rel_bias, mode):
     stack = _stack(rel_bias)
     offs = offsets_from(LENGTHS)
@@ -97,8 +109,7 @@ def test_compiled_stack_refuses_a_plan_of_another_mask():
     plan = build_plan(offs, total=sum(LENGTHS), max_seq_len=max(LENGTHS))  # causal
     x = torch.randn(sum(LENGTHS), DIM)
     with pytest.raises(ValueError, match="attn_plan: expected a plan for the call's mask"):
-        torch.compile(stack, backend="eager")(x, offs, max(LENGTHS), attn_func=masks.causal(offs),
-                                              attn_plan=plan)
+        torch.compile(stack, backend="eager")(x, offs, max(LENGTHS), attn_func=masks.causal(offs), attn_plan=plan)
 
 
 def _retrieval(mask: str) -> tuple[HSTURetrieval, object]:
@@ -110,10 +121,12 @@ def _retrieval(mask: str) -> tuple[HSTURetrieval, object]:
 
 
 def _requests() -> RankingRequests:
-    return RankingRequests(hist_items=[np.array([1, 2, 3]), np.array([4])],
-                           hist_times=[np.array([10, 20, 30]), np.array([5])],
-                           cand_items=[np.array([5, 6]), np.array([7, 8, 9])],
-                           labels=[np.eye(2, 3, dtype=np.float32), np.ones((3, 3), dtype=np.float32)])
+    return RankingRequests(
+        hist_items=[np.array([1, 2, 3]), np.array([4])],
+        hist_times=[np.array([10, 20, 30]), np.array([5])],
+        cand_items=[np.array([5, 6]), np.array([7, 8, 9])],
+        labels=[np.eye(2, 3, dtype=np.float32), np.ones((3, 3), dtype=np.float32)],
+    )
 
 
 def _loss_and_grads(model, fn):
@@ -182,9 +195,15 @@ def test_stu_stack_on_the_triton_kernels_compiled_whole_gives_the_eager_results(
     offs = offsets_from(LENGTHS)
     x = torch.randn(sum(LENGTHS), DIM, generator=torch.Generator().manual_seed(1))
     ts = torch.arange(sum(LENGTHS)) * 7
-    kw = {"max_attn_len": 8, "attn_plan": build_plan(offs, total=x.shape[0], max_seq_len=max(LENGTHS),
-                                                      max_attn_len=8)}
+    kw = {"max_attn_len": 8, "attn_plan": build_plan(offs, total=x.shape[0], max_seq_len=max(LENGTHS), max_attn_len=8)}
     want = _step(stack, list(stack.parameters()), x, offs, max(LENGTHS), ts, **kw)
-    got = _step(torch.compile(stack, backend="inductor", fullgraph=True), list(stack.parameters()), x, offs,
-                max(LENGTHS), ts, **kw)
+    got = _step(
+        torch.compile(stack, backend="inductor", fullgraph=True),
+        list(stack.parameters()),
+        x,
+        offs,
+        max(LENGTHS),
+        ts,
+        **kw,
+    )
     _assert_close(got, want)

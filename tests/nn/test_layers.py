@@ -12,14 +12,16 @@ from flexhstu import Kernel, masks
 from flexhstu.nn import OneRankHead, OneRankTokenizer, STULayer, STULayerConfig, onerank_loss, time_gap_buckets
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                    reason="needs TRITON_INTERPRET=1 for the Triton kernel on CPU")
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 for the Triton kernel on CPU"
+)
 def test_stu_layer_agrees_between_pytorch_and_triton_kernels():
     torch.manual_seed(0)
     lengths = [21, 0, 34]
     offs = offsets_from(lengths)
-    cfg = STULayerConfig(embedding_dim=32, num_heads=2, attention_dim=16, hidden_dim=16, dropout=0.0,
-                         kernel=Kernel.PYTORCH)
+    cfg = STULayerConfig(
+        embedding_dim=32, num_heads=2, attention_dim=16, hidden_dim=16, dropout=0.0, kernel=Kernel.PYTORCH
+    )
     layer = STULayer(cfg)
     x = torch.randn(sum(lengths), 32, requires_grad=True)
     func = masks.sla(offs, 8, 2)
@@ -50,8 +52,9 @@ def test_tokenizer_layout_and_mask_equal_masks_onerank():
     assert torch.equal(b.x[b.candidate_rows], cand)
     assert b.task_rows.tolist() == [[5, 6, 7], [9, 10, 11], [13, 14, 15]]
     func = masks.onerank(b.seq_offsets, b.num_targets, tok.group_size)
-    want = dense_from_rule(lengths, max(lengths),
-                           lambda s, i, j, L: onerank_visible(i, j, L, b.num_targets[s].item(), k + 1))
+    want = dense_from_rule(
+        lengths, max(lengths), lambda s, i, j, L: onerank_visible(i, j, L, b.num_targets[s].item(), k + 1)
+    )
     assert torch.equal(masks.to_dense(func, b.seq_offsets, max(lengths)), want)
 
 

@@ -16,8 +16,9 @@ from flexhstu.nn.stu_lean import dropout_keep, gate
 
 LENGTHS = [21, 0, 34, 9]
 DIM, HEADS, DQK, DV = 32, 2, 8, 16
-interpreting = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                  reason="needs TRITON_INTERPRET=1 for the Triton kernel on CPU")
+interpreting = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 for the Triton kernel on CPU"
+)
 
 
 def _stack(dropout: float, num_layers: int = 2, **kw) -> STUStack:
@@ -92,30 +93,50 @@ def test_default_compiles_for_cuda_inputs_only():
     assert STULayer(STULayerConfig(compile=True)).compiles(torch.zeros(3, 64))
 
 
-@pytest.mark.parametrize(("field", "value", "words"), [
-    ("dropout", 1.0, "dropout: expected a probability in [0, 1), got 1.0"),
-    ("embedding_dim", 0, "embedding_dim: expected a positive int, got 0"),
-    ("recompute", "yes", "recompute: expected a bool, got str"),
-    ("compile", "auto", "compile: expected None (compile on CUDA only) or a bool, got str"),
-    # Checked when the config is made: a string passes float() and breaks the first forward, an unknown kernel too.
-    ("dropout", "0.1", "dropout: expected a real number, got str"),
-    ("kernel", "bogus", "kernel: expected one of ['auto', 'pytorch', 'triton', 'cutlass'], got 'bogus'"),
-])
+@pytest.mark.parametrize(
+    ("field", "value", "words"),
+    [
+        ("dropout", 1.0, "dropout: expected a probability in [0, 1), got 1.0"),
+        ("embedding_dim", 0, "embedding_dim: expected a positive int, got 0"),
+        ("recompute", "yes", "recompute: expected a bool, got str"),
+        ("compile", "auto", "compile: expected None (compile on CUDA only) or a bool, got str"),
+        # Checked when the config is made: a string passes float() and breaks the first forward, an unknown kernel too.
+        ("dropout", "0.1", "dropout: expected a real number, got str"),
+        ("kernel", "bogus", "kernel: expected one of ['auto', 'pytorch', 'triton', 'cutlass'], got 'bogus'"),
+    ],
+)
 def test_bad_config_names_the_field(field, value, words):
     with pytest.raises((ValueError, TypeError)) as err:
         STULayerConfig(**{field: value})
     assert str(err.value) == words
 
 
-@pytest.mark.parametrize("x, err, words", [
-    (torch.zeros(64, DIM // 2), ValueError, "x: expected a (total, 32) tensor (embedding_dim=32), got shape (64, 16)"),
-    (torch.zeros(64, 1, DIM), ValueError, "x: expected a (total, 32) tensor (embedding_dim=32), got shape (64, 1, 32)"),
-    (torch.zeros(64, DIM, dtype=torch.float64), TypeError,
-     "x: expected torch.float32 (the layer's parameters; or run under torch.autocast), got torch.float64"),
-    (torch.zeros(64, DIM, dtype=torch.int64), TypeError,
-     "x: expected a floating tensor (torch.float32, the layer's parameters), got torch.int64"),
-    ([0.0] * 64, TypeError, "x: expected a (total, 32) tensor, got list"),
-])
+@pytest.mark.parametrize(
+    "x, err, words",
+    [
+        (
+            torch.zeros(64, DIM // 2),
+            ValueError,
+            "x: expected a (total, 32) tensor (embedding_dim=32), got shape (64, 16)",
+        ),
+        (
+            torch.zeros(64, 1, DIM),
+            ValueError,
+            "x: expected a (total, 32) tensor (embedding_dim=32), got shape (64, 1, 32)",
+        ),
+        (
+            torch.zeros(64, DIM, dtype=torch.float64),
+            TypeError,
+            "x: expected torch.float32 (the layer's parameters; or run under torch.autocast), got torch.float64",
+        ),
+        (
+            torch.zeros(64, DIM, dtype=torch.int64),
+            TypeError,
+            "x: expected a floating tensor (torch.float32, the layer's parameters), got torch.int64",
+        ),
+        ([0.0] * 64, TypeError, "x: expected a (total, 32) tensor, got list"),
+    ],
+)
 def test_bad_rows_name_x_in_the_layer_and_the_stack(x, err, words):
     stack, offs = _stack(0.0, num_layers=1), offsets_from(LENGTHS)
     for call in (lambda: stack(x, offs, 64), lambda: stack.layers[0](x, offs, 64)):
@@ -179,8 +200,17 @@ def test_lean_layer_saves_x_uvqk_and_attention_output_only(dropout, compile):
     x = torch.randn(sum(lengths), DIM, requires_grad=True)
     saved = {}
     for recompute in (False, True):
-        cfg = STULayerConfig(embedding_dim=DIM, num_heads=HEADS, attention_dim=DQK, hidden_dim=DV, dropout=dropout,
-                             kernel=Kernel.TRITON, recompute=recompute, compile=compile, compile_backend="aot_eager")
+        cfg = STULayerConfig(
+            embedding_dim=DIM,
+            num_heads=HEADS,
+            attention_dim=DQK,
+            hidden_dim=DV,
+            dropout=dropout,
+            kernel=Kernel.TRITON,
+            recompute=recompute,
+            compile=compile,
+            compile_backend="aot_eager",
+        )
         layer = STULayer(cfg)
         saved[recompute] = activation_bytes(functools.partial(layer, x, offs, max(lengths)), list(layer.parameters()))
     assert saved[True] == lean_saved_bytes(x.shape[0], cfg, x.element_size(), len(lengths))
@@ -195,10 +225,13 @@ def test_lean_layer_on_the_triton_kernel_gives_the_plain_reference_layer():
     _assert_same_step(lean, plain, rtol=1e-4)
 
 
-@pytest.mark.parametrize("num_layers, err, words", [
-    (-3, ValueError, "num_layers: expected a non-negative int, got -3"),  # not a stack of the norm alone
-    (2.0, TypeError, "num_layers: expected a non-negative int, got float"),
-])
+@pytest.mark.parametrize(
+    "num_layers, err, words",
+    [
+        (-3, ValueError, "num_layers: expected a non-negative int, got -3"),  # not a stack of the norm alone
+        (2.0, TypeError, "num_layers: expected a non-negative int, got float"),
+    ],
+)
 def test_a_layer_count_that_is_not_a_count_is_named(num_layers, err, words):
     with pytest.raises(err) as e:
         STUStack(STULayerConfig(embedding_dim=DIM), num_layers)

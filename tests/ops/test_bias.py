@@ -32,8 +32,11 @@ def pair_bias(pos_w, ts_w, ts: list[int], h: int):
     rows = []
     for i in range(length):
         nxt = ts[i + 1] if i + 1 < length else ts[i]
-        rows.append(torch.stack([pw[min(max(j - i + half, 0), 2 * half)] + tw[bucket_of(nxt - ts[j], nb)]
-                                 for j in range(length)]))
+        rows.append(
+            torch.stack(
+                [pw[min(max(j - i + half, 0), 2 * half)] + tw[bucket_of(nxt - ts[j], nb)] for j in range(length)]
+            )
+        )
     return torch.stack(rows) if rows else pw.new_zeros(0, 0)
 
 
@@ -59,8 +62,9 @@ def funcs(lengths):
         "causal": masks.causal(offs),
         "sla": masks.sla(offs, 3, 2, num_targets=torch.tensor([min(2, n) for n in lengths])),
         "onerank": masks.onerank(offs, torch.tensor([(n // 3) // 3 * 3 for n in lengths]), 3),
-        "random-per-head": torch.randint(-1, max(lengths) + 2, (HEADS, 5, sum(lengths)), generator=g,
-                                         dtype=torch.int32),
+        "random-per-head": torch.randint(
+            -1, max(lengths) + 2, (HEADS, 5, sum(lengths)), generator=g, dtype=torch.int32
+        ),
     }
 
 
@@ -85,13 +89,31 @@ def test_forward_and_gradients_match_per_pair_float64(name, per_head, positions,
     offs, n = offsets_from(LENGTHS), max(LENGTHS)
     func = funcs(LENGTHS)[name]
     (q, k, v, pos_w, ts_w), ts = make_inputs(LENGTHS, per_head=per_head, positions=positions, num_buckets=num_buckets)
-    out = flexhstu.hstu_mha(n, 0.37, q, k, v, offs, attn_func=func, scaling_seqlen=9,
-                            rel_bias=RelativeBias(pos_w, ts_w, ts), kernel=Kernel.PYTORCH)
+    out = flexhstu.hstu_mha(
+        n,
+        0.37,
+        q,
+        k,
+        v,
+        offs,
+        attn_func=func,
+        scaling_seqlen=9,
+        rel_bias=RelativeBias(pos_w, ts_w, ts),
+        kernel=Kernel.PYTORCH,
+    )
     leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, pos_w, ts_w)]
     qr, kr, vr, pr, tr = leaves
     times = ts.tolist()
-    ref = attention_f64(qr, kr, vr, LENGTHS, masks.to_dense(func, offs, n), 0.37, 9.0,
-                        lambda b, h, start, length: pair_bias(pr, tr, times[start : start + length], h))
+    ref = attention_f64(
+        qr,
+        kr,
+        vr,
+        LENGTHS,
+        masks.to_dense(func, offs, n),
+        0.37,
+        9.0,
+        lambda b, h, start, length: pair_bias(pr, tr, times[start : start + length], h),
+    )
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v, pos_w, ts_w), dout)
@@ -108,9 +130,11 @@ def test_last_row_uses_its_own_time_and_never_the_next_sequence():
     bias = RelativeBias(torch.zeros(5), torch.arange(61.0), ts)
     got = dense_relative_bias(bias, offs, 3)[:, 0]  # (B, n, n): the bucket of each pair, as a float
     # Row i reads next = ts[i + 1] inside the sequence, its own ts[i] on the last row.
-    want0 = [[bucket_of(10 - t, 60) for t in (0, 10, 1000)],
-             [bucket_of(1000 - t, 60) for t in (0, 10, 1000)],
-             [bucket_of(1000 - t, 60) for t in (0, 10, 1000)]]
+    want0 = [
+        [bucket_of(10 - t, 60) for t in (0, 10, 1000)],
+        [bucket_of(1000 - t, 60) for t in (0, 10, 1000)],
+        [bucket_of(1000 - t, 60) for t in (0, 10, 1000)],
+    ]
     want1 = [[bucket_of(3 - t, 60) for t in (0, 3)], [bucket_of(3 - t, 60) for t in (0, 3)]]
     assert got[0].tolist() == want0
     assert got[1, :2, :2].tolist() == want1
@@ -153,8 +177,9 @@ def test_dense_rab_gives_the_table_path_output_and_its_gradients():
     offs = offsets_from(lengths)
     func = funcs(lengths)["sla"]
     (q, k, v, pos_w, ts_w), ts = make_inputs(lengths, per_head=True, positions=8, num_buckets=20)
-    tables = flexhstu.hstu_mha(n, None, q, k, v, offs, attn_func=func, rel_bias=RelativeBias(pos_w, ts_w, ts),
-                               kernel=Kernel.PYTORCH)
+    tables = flexhstu.hstu_mha(
+        n, None, q, k, v, offs, attn_func=func, rel_bias=RelativeBias(pos_w, ts_w, ts), kernel=Kernel.PYTORCH
+    )
     # Padded entries of rab are NaN: pairs outside a sequence must never read them.
     rab = torch.full((len(lengths), HEADS, n, n), float("nan"), dtype=torch.float64)
     starts = offs.tolist()
@@ -180,8 +205,9 @@ def test_rab_shared_by_the_heads_equals_it_repeated_per_head():
     (q, k, v, _, _), _ = make_inputs(LENGTHS, per_head=False, positions=3, num_buckets=3)
     rab = torch.randn(len(LENGTHS), n, n, dtype=torch.float64)
     shared = flexhstu.hstu_mha(n, None, q, k, v, offs, rab=rab, kernel=Kernel.PYTORCH)
-    repeated = flexhstu.hstu_mha(n, None, q, k, v, offs, rab=rab[:, None].expand(-1, HEADS, -1, -1).clone(),
-                                 kernel=Kernel.PYTORCH)
+    repeated = flexhstu.hstu_mha(
+        n, None, q, k, v, offs, rab=rab[:, None].expand(-1, HEADS, -1, -1).clone(), kernel=Kernel.PYTORCH
+    )
     torch.testing.assert_close(shared, repeated, rtol=0, atol=0)
     plain = flexhstu.hstu_mha(n, None, q, k, v, offs, kernel=Kernel.PYTORCH)
     assert not torch.allclose(shared, plain)
@@ -191,10 +217,17 @@ def test_half_inputs_are_biased_in_float32():
     offs, n = offsets_from(LENGTHS), max(LENGTHS)
     (q, k, v, pos_w, ts_w), ts = make_inputs(LENGTHS, per_head=False, positions=12, num_buckets=30)
     bias = RelativeBias(pos_w.detach().float(), ts_w.detach().float(), ts)
-    got = flexhstu.hstu_mha(n, None, *(x.detach().bfloat16() for x in (q, k, v)), offs, rel_bias=bias,
-                            kernel=Kernel.PYTORCH)
-    want = flexhstu.hstu_mha(n, None, *(x.detach().bfloat16().double() for x in (q, k, v)), offs,
-                             rel_bias=RelativeBias(pos_w.detach(), ts_w.detach(), ts), kernel=Kernel.PYTORCH)
+    got = flexhstu.hstu_mha(
+        n, None, *(x.detach().bfloat16() for x in (q, k, v)), offs, rel_bias=bias, kernel=Kernel.PYTORCH
+    )
+    want = flexhstu.hstu_mha(
+        n,
+        None,
+        *(x.detach().bfloat16().double() for x in (q, k, v)),
+        offs,
+        rel_bias=RelativeBias(pos_w.detach(), ts_w.detach(), ts),
+        kernel=Kernel.PYTORCH,
+    )
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-3)
 
@@ -202,8 +235,16 @@ def test_half_inputs_are_biased_in_float32():
 def test_an_empty_batch_gives_zero_gradients_to_the_tables():
     q, k, v = (torch.zeros(0, HEADS, 4, requires_grad=True) for _ in range(3))
     pos_w, ts_w = torch.randn(5, requires_grad=True), torch.randn(4, requires_grad=True)
-    out = flexhstu.hstu_mha(4, None, q, k, v, offsets_from([0, 0]), rel_bias=RelativeBias(pos_w, ts_w,
-                            torch.zeros(0, dtype=torch.int64)), kernel=Kernel.PYTORCH)
+    out = flexhstu.hstu_mha(
+        4,
+        None,
+        q,
+        k,
+        v,
+        offsets_from([0, 0]),
+        rel_bias=RelativeBias(pos_w, ts_w, torch.zeros(0, dtype=torch.int64)),
+        kernel=Kernel.PYTORCH,
+    )
     out.sum().backward()
     assert pos_w.grad is not None and (pos_w.grad == 0).all() and (ts_w.grad == 0).all()
 
@@ -214,32 +255,68 @@ def _bias(**change):
 
 
 BAD = {
-    "not-a-bias": (dict(rel_bias=(torch.zeros(9), torch.zeros(3), torch.arange(8))),
-                   TypeError, r"rel_bias: expected a flexhstu.ops.bias.RelativeBias.*got tuple"),
-    "pos-even": (dict(rel_bias=_bias(pos_w=torch.zeros(8))), ValueError,
-                 r"rel_bias.pos_w: expected an odd number 2P - 1 of relative positions, got 8"),
-    "pos-heads": (dict(rel_bias=_bias(pos_w=torch.zeros(3, 9))), ValueError,
-                  r"rel_bias.pos_w: expected shape \(n,\) shared by the heads or \(H=2, n\), got shape \(3, 9\)"),
-    "ts-3d": (dict(rel_bias=_bias(ts_w=torch.zeros(1, 2, 9))), ValueError,
-              r"rel_bias.ts_w: expected shape .* got shape \(1, 2, 9\)"),
-    "ts-int": (dict(rel_bias=_bias(ts_w=torch.zeros(9, dtype=torch.int64))), TypeError,
-               r"rel_bias.ts_w: expected a floating dtype, got torch.int64"),
-    "pos-device": (dict(rel_bias=_bias(pos_w=torch.zeros(9, device="meta"))), ValueError,
-                   r"rel_bias.pos_w.device: expected the device of q \(cpu\), got meta"),
-    "times-float": (dict(rel_bias=_bias(timestamps=torch.zeros(8))), TypeError,
-                    r"rel_bias.timestamps: expected an integer dtype, got torch.float32"),
-    "times-rows": (dict(rel_bias=_bias(timestamps=torch.arange(7))), ValueError,
-                   r"rel_bias.timestamps: expected one time per jagged row \(8,\), got shape \(7,\)"),
-    "rab-shape": (dict(rab=torch.zeros(2, 4, 5)), ValueError,
-                  r"rab: expected shape \(B=2, N, N\) or \(B, 1 or H=2, N, N\) with N = max_seq_len = 5, "
-                  r"got shape \(2, 4, 5\)"),
+    "not-a-bias": (
+        dict(rel_bias=(torch.zeros(9), torch.zeros(3), torch.arange(8))),
+        TypeError,
+        r"rel_bias: expected a flexhstu.ops.bias.RelativeBias.*got tuple",
+    ),
+    "pos-even": (
+        dict(rel_bias=_bias(pos_w=torch.zeros(8))),
+        ValueError,
+        r"rel_bias.pos_w: expected an odd number 2P - 1 of relative positions, got 8",
+    ),
+    "pos-heads": (
+        dict(rel_bias=_bias(pos_w=torch.zeros(3, 9))),
+        ValueError,
+        r"rel_bias.pos_w: expected shape \(n,\) shared by the heads or \(H=2, n\), got shape \(3, 9\)",
+    ),
+    "ts-3d": (
+        dict(rel_bias=_bias(ts_w=torch.zeros(1, 2, 9))),
+        ValueError,
+        r"rel_bias.ts_w: expected shape .* got shape \(1, 2, 9\)",
+    ),
+    "ts-int": (
+        dict(rel_bias=_bias(ts_w=torch.zeros(9, dtype=torch.int64))),
+        TypeError,
+        r"rel_bias.ts_w: expected a floating dtype, got torch.int64",
+    ),
+    "pos-device": (
+        dict(rel_bias=_bias(pos_w=torch.zeros(9, device="meta"))),
+        ValueError,
+        r"rel_bias.pos_w.device: expected the device of q \(cpu\), got meta",
+    ),
+    "times-float": (
+        dict(rel_bias=_bias(timestamps=torch.zeros(8))),
+        TypeError,
+        r"rel_bias.timestamps: expected an integer dtype, got torch.float32",
+    ),
+    "times-rows": (
+        dict(rel_bias=_bias(timestamps=torch.arange(7))),
+        ValueError,
+        r"rel_bias.timestamps: expected one time per jagged row \(8,\), got shape \(7,\)",
+    ),
+    "rab-shape": (
+        dict(rab=torch.zeros(2, 4, 5)),
+        ValueError,
+        r"rab: expected shape \(B=2, N, N\) or \(B, 1 or H=2, N, N\) with N = max_seq_len = 5, "
+        r"got shape \(2, 4, 5\)",
+    ),
     "rab-heads": (dict(rab=torch.zeros(2, 3, 5, 5)), ValueError, r"rab: expected shape .*got shape \(2, 3, 5, 5\)"),
-    "rab-int": (dict(rab=torch.zeros(2, 5, 5, dtype=torch.int32)), TypeError,
-                r"rab: expected a floating dtype, got torch.int32"),
-    "rab-device": (dict(rab=torch.zeros(2, 5, 5, device="meta")), ValueError,
-                   r"rab.device: expected the device of q \(cpu\), got meta"),
-    "both": (dict(rel_bias=_bias(), rab=torch.zeros(2, 5, 5)), ValueError,
-             r"rab: expected None when rel_bias is given"),
+    "rab-int": (
+        dict(rab=torch.zeros(2, 5, 5, dtype=torch.int32)),
+        TypeError,
+        r"rab: expected a floating dtype, got torch.int32",
+    ),
+    "rab-device": (
+        dict(rab=torch.zeros(2, 5, 5, device="meta")),
+        ValueError,
+        r"rab.device: expected the device of q \(cpu\), got meta",
+    ),
+    "both": (
+        dict(rel_bias=_bias(), rab=torch.zeros(2, 5, 5)),
+        ValueError,
+        r"rab: expected None when rel_bias is given",
+    ),
 }
 
 

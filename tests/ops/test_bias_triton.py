@@ -120,20 +120,41 @@ def assert_all_close(got, want, names, rtol, atol):
         torch.testing.assert_close(g, w, rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
 
 
-def check_against_reference(lengths, mask, *, per_head, positions, num_buckets, dtype=torch.float32, times="sorted",
-                            alpha=0.3, scaling=50, dim=16):
+def check_against_reference(
+    lengths,
+    mask,
+    *,
+    per_head,
+    positions,
+    num_buckets,
+    dtype=torch.float32,
+    times="sorted",
+    alpha=0.3,
+    scaling=50,
+    dim=16,
+):
     offs = offsets_from(lengths).to(DEVICE)
-    kw = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in mask_case(mask, offs.cpu(),
-                                                                                         lengths).items()}
-    (q, k, v), (pos_w, ts_w), ts = inputs(lengths, per_head=per_head, positions=positions, num_buckets=num_buckets,
-                                          dtype=dtype, times=times, dim=dim)
+    kw = {
+        k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in mask_case(mask, offs.cpu(), lengths).items()
+    }
+    (q, k, v), (pos_w, ts_w), ts = inputs(
+        lengths, per_head=per_head, positions=positions, num_buckets=num_buckets, dtype=dtype, times=times, dim=dim
+    )
     bias = RelativeBias(pos_w, ts_w, ts)
     n = max(lengths)
     out = flexhstu.hstu_mha(n, alpha, q, k, v, offs, scaling_seqlen=scaling, rel_bias=bias, kernel=Kernel.TRITON, **kw)
     # The reference in float32 from the same (possibly half) inputs.
     leaves = [x.detach().float().requires_grad_(True) for x in (q, k, v, pos_w, ts_w)]
-    ref = flexhstu.hstu_mha(n, alpha, *leaves[:3], offs, scaling_seqlen=scaling, rel_bias=RelativeBias(*leaves[3:], ts),
-                            kernel=Kernel.PYTORCH, **kw)
+    ref = flexhstu.hstu_mha(
+        n,
+        alpha,
+        *leaves[:3],
+        offs,
+        scaling_seqlen=scaling,
+        rel_bias=RelativeBias(*leaves[3:], ts),
+        kernel=Kernel.PYTORCH,
+        **kw,
+    )
     tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-3)
     assert_all_close([out.float()], [ref], ["out"], **tol)
     dout = torch.randn_like(out)
@@ -166,8 +187,9 @@ def test_half_precision_inputs():
 
 
 def test_head_dim_not_a_power_of_two_and_other_scales():
-    check_against_reference([33, 18], "causal", per_head=False, positions=5, num_buckets=10, alpha=1.3, scaling=7,
-                            dim=24)
+    check_against_reference(
+        [33, 18], "causal", per_head=False, positions=5, num_buckets=10, alpha=1.3, scaling=7, dim=24
+    )
 
 
 def test_sequences_longer_than_a_time_chunk():
@@ -210,8 +232,7 @@ def test_the_kernel_bias_equals_the_dense_reference_bias(times):
 
 
 @triton.jit
-def _bias_probe_kernel(bias, OFFS, OUT, n, BM: tl.constexpr, BN: tl.constexpr, TRANS: tl.constexpr,
-                       WIDE: tl.constexpr):
+def _bias_probe_kernel(bias, OFFS, OUT, n, BM: tl.constexpr, BN: tl.constexpr, TRANS: tl.constexpr, WIDE: tl.constexpr):
     """Writes the bias of query block ``program_id(1)`` of sequence ``program_id(0)``, key block by key block."""
     b = tl.program_id(0)
     h = tl.program_id(2)
@@ -275,14 +296,18 @@ def test_max_seq_len_is_only_a_hint_with_the_bias(max_seq_len):
     (q, k, v), (pos_w, ts_w), ts = inputs(lengths, per_head=True, positions=50, num_buckets=30)
     rel = RelativeBias(pos_w, ts_w, ts)
     func = masks.sla(offs.cpu(), 40, 8).to(DEVICE)
-    out = triton_hstu_mha(q, k, v, offs, func=func, alpha=0.3, out_scale=1 / 100, max_seq_len=max_seq_len,
-                          rel_bias=rel)
+    out = triton_hstu_mha(q, k, v, offs, func=func, alpha=0.3, out_scale=1 / 100, max_seq_len=max_seq_len, rel_bias=rel)
     ref = flexhstu.hstu_mha(100, 0.3, q, k, v, offs, attn_func=func, rel_bias=rel, kernel=Kernel.PYTORCH)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
     dout = torch.randn_like(out)
     leaves = (q, k, v, pos_w, ts_w)
-    assert_all_close(torch.autograd.grad(out, leaves, dout), torch.autograd.grad(ref, leaves, dout),
-                     ["dq", "dk", "dv", "dpos_w", "dts_w"], rtol=1e-4, atol=1e-5)
+    assert_all_close(
+        torch.autograd.grad(out, leaves, dout),
+        torch.autograd.grad(ref, leaves, dout),
+        ["dq", "dk", "dv", "dpos_w", "dts_w"],
+        rtol=1e-4,
+        atol=1e-5,
+    )
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
@@ -300,8 +325,13 @@ def test_eager_and_compiled_paths_give_the_table_gradients(compiled):
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
     dout = torch.randn_like(out)
     leaves = (q, k, v, pos_w, ts_w)
-    assert_all_close(torch.autograd.grad(out, leaves, dout), torch.autograd.grad(ref, leaves, dout),
-                     ["dq", "dk", "dv", "dpos_w", "dts_w"], rtol=1e-4, atol=1e-5)
+    assert_all_close(
+        torch.autograd.grad(out, leaves, dout),
+        torch.autograd.grad(ref, leaves, dout),
+        ["dq", "dk", "dv", "dpos_w", "dts_w"],
+        rtol=1e-4,
+        atol=1e-5,
+    )
 
 
 def test_tables_without_grad_get_none_and_the_rest_is_unchanged():
@@ -312,8 +342,13 @@ def test_tables_without_grad_get_none_and_the_rest_is_unchanged():
     out = flexhstu.hstu_mha(37, None, q, k, v, offs, rel_bias=frozen, kernel=Kernel.TRITON)
     ref = flexhstu.hstu_mha(37, None, q, k, v, offs, rel_bias=frozen, kernel=Kernel.PYTORCH)
     dout = torch.randn_like(out)
-    assert_all_close(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(ref, (q, k, v), dout),
-                     ["dq", "dk", "dv"], rtol=1e-4, atol=1e-5)
+    assert_all_close(
+        torch.autograd.grad(out, (q, k, v), dout),
+        torch.autograd.grad(ref, (q, k, v), dout),
+        ["dq", "dk", "dv"],
+        rtol=1e-4,
+        atol=1e-5,
+    )
 
 
 def test_an_empty_batch_gives_zero_table_gradients():

@@ -30,21 +30,31 @@ def qkv(dqk=16, dv=16, dtype=torch.float32):
 UNSUPPORTED = {
     "float64": (dict(dtype=torch.float64), {}, r"q.dtype: expected float16, bfloat16 or float32 .*got torch.float64"),
     # The interpreter's bfloat16 dots are wrong (audit: outputs near 1e9 where the reference gives 0.6).
-    "bfloat16 on the CPU": (dict(dtype=torch.bfloat16), {}, r"q.dtype: expected float16 or float32 for Kernel.TRITON "
-                            r"on the CPU .*got torch.bfloat16"),
+    "bfloat16 on the CPU": (
+        dict(dtype=torch.bfloat16),
+        {},
+        r"q.dtype: expected float16 or float32 for Kernel.TRITON "
+        r"on the CPU .*got torch.bfloat16",
+    ),
     "dqk-300": (dict(dqk=300), {}, r"q.shape\[2\] \(Dqk\): expected a head dim from 1 to 256 .*got 300"),
     "dv-512": (dict(dv=512), {}, r"v.shape\[2\] \(Dv\): expected a head dim from 1 to 256 .*got 512"),
     "dropout": ({}, dict(dropout_pr=0.2), r"dropout_pr: expected 0.0 \(or training=False\) .*got 0.2"),
     "non-causal-targets": (
-        {}, dict(causal=False, num_targets=torch.tensor([1, 1])), r"causal: expected True with num_targets"
+        {},
+        dict(causal=False, num_targets=torch.tensor([1, 1])),
+        r"causal: expected True with num_targets",
     ),
     "attn-scale-grad": (
-        {}, dict(attn_scale=torch.full((8,), 0.5, requires_grad=True)), r"attn_scale: expected a tensor that does not"
+        {},
+        dict(attn_scale=torch.full((8,), 0.5, requires_grad=True)),
+        r"attn_scale: expected a tensor that does not",
     ),
     "rab": ({}, dict(rab=torch.zeros(2, 5, 5)), r"rab: expected None for Kernel.TRITON .*got \(2, 5, 5\)"),
     "non-causal-window": ({}, dict(causal=False, max_attn_len=2), r"causal: expected True with max_attn_len"),
     "non-causal-contextual": (
-        {}, dict(causal=False, contextual_seq_len=1), r"causal: expected True with contextual_seq_len"
+        {},
+        dict(causal=False, contextual_seq_len=1),
+        r"causal: expected True with contextual_seq_len",
     ),
 }
 

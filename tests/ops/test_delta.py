@@ -21,8 +21,10 @@ def qkv(total, heads=2, dqk=8, dv=6, dtype=torch.float64, seed=0):
 def query_rows(lengths, starts, counts):
     """Jagged rows of the full layout that the queries are, and the query layout ``(q_offsets, q_start)``."""
     offs = offsets_from(lengths)
-    rows = torch.cat([torch.arange(int(offs[b]) + s, int(offs[b]) + s + n) for b, (s, n) in
-                      enumerate(zip(starts, counts))] + [torch.zeros(0, dtype=torch.int64)])
+    rows = torch.cat(
+        [torch.arange(int(offs[b]) + s, int(offs[b]) + s + n) for b, (s, n) in enumerate(zip(starts, counts))]
+        + [torch.zeros(0, dtype=torch.int64)]
+    )
     return rows, offsets_from(counts), torch.tensor(starts, dtype=torch.int64)
 
 
@@ -48,8 +50,18 @@ def test_func_rows_equal_the_rows_of_a_full_call(name):
     q, k, v = qkv(sum(LENGTHS))
     rows, q_offsets, q_start = query_rows(LENGTHS, STARTS, COUNTS)
     full = flexhstu.hstu_mha(13, 0.4, q, k, v, offs, attn_func=func, kernel=Kernel.PYTORCH)
-    got = flexhstu.delta_hstu_mha(13, 0.4, q[rows], k, v, offs, q_offsets=q_offsets, q_start=q_start,
-                                  attn_func=func[:, :, rows], kernel=Kernel.PYTORCH)
+    got = flexhstu.delta_hstu_mha(
+        13,
+        0.4,
+        q[rows],
+        k,
+        v,
+        offs,
+        q_offsets=q_offsets,
+        q_start=q_start,
+        attn_func=func[:, :, rows],
+        kernel=Kernel.PYTORCH,
+    )
     torch.testing.assert_close(got, full[rows], rtol=1e-12, atol=1e-12)
 
 
@@ -69,8 +81,9 @@ def test_fixed_rule_rows_equal_the_rows_of_a_full_call(lengths, data, window, co
     rows, q_offsets, q_start = query_rows(lengths, starts, counts)
     rule = dict(num_targets=nt, max_attn_len=window, contextual_seq_len=contextual, min_full_attn_seq_len=1)
     full = flexhstu.hstu_mha(20, None, q, k, v, offs, kernel=Kernel.PYTORCH, **rule)
-    got = flexhstu.delta_hstu_mha(20, None, q[rows], k, v, offs, q_offsets=q_offsets, q_start=q_start,
-                                  kernel=Kernel.PYTORCH, **rule)
+    got = flexhstu.delta_hstu_mha(
+        20, None, q[rows], k, v, offs, q_offsets=q_offsets, q_start=q_start, kernel=Kernel.PYTORCH, **rule
+    )
     torch.testing.assert_close(got, full[rows], rtol=1e-12, atol=1e-12)
 
 
@@ -80,8 +93,9 @@ def test_last_rows_convention_matches_the_generative_recommenders_call():
     nt = torch.tensor([2, 3, 1])
     q, k, v = qkv(sum(lengths))
     rows = torch.cat([torch.arange(int(offs[b + 1]) - delta, int(offs[b + 1])) for b in range(3)])
-    full = flexhstu.hstu_mha(9, 0.3, q, k, v, offs, num_targets=nt, max_attn_len=4, contextual_seq_len=1,
-                             kernel=Kernel.PYTORCH)
+    full = flexhstu.hstu_mha(
+        9, 0.3, q, k, v, offs, num_targets=nt, max_attn_len=4, contextual_seq_len=1, kernel=Kernel.PYTORCH
+    )
     # Positional head of generative-recommenders: (max_seq_len, alpha, delta_q, k, v, seq_offsets, num_targets,
     # max_attn_len, contextual_seq_len, kernel).
     got = flexhstu.delta_hstu_mha(9, 0.3, q[rows], k, v, offs, nt, 4, 1, Kernel.PYTORCH)
@@ -97,8 +111,9 @@ def test_scale_defaults_to_max_seq_len_and_scaling_seqlen_replaces_it():
     q_offsets, q_start = flexhstu.last_rows_offsets(offs, 2)
     rows = torch.tensor([3, 4, 10, 11])
     base = flexhstu.delta_hstu_mha(10, None, q[rows], k, v, offs, q_offsets=q_offsets, q_start=q_start)
-    scaled = flexhstu.delta_hstu_mha(10, None, q[rows], k, v, offs, q_offsets=q_offsets, q_start=q_start,
-                                     scaling_seqlen=4)
+    scaled = flexhstu.delta_hstu_mha(
+        10, None, q[rows], k, v, offs, q_offsets=q_offsets, q_start=q_start, scaling_seqlen=4
+    )
     full = flexhstu.hstu_mha(10, None, q, k, v, offs, kernel=Kernel.PYTORCH)
     torch.testing.assert_close(base, full[rows])
     torch.testing.assert_close(scaled, full[rows] * 10 / 4)
@@ -128,8 +143,9 @@ def test_strided_and_half_inputs_give_the_rows_of_a_full_call():
     full = flexhstu.hstu_mha(7, None, q, k, v, offs, kernel=Kernel.PYTORCH)
     got = flexhstu.delta_hstu_mha(7, None, q[rows], k, v, offs, q_offsets=q_offsets[::1], q_start=q_start)
     torch.testing.assert_close(got, full[rows])
-    half = flexhstu.delta_hstu_mha(7, None, q[rows].bfloat16(), k.bfloat16(), v.bfloat16(), offs,
-                                   q_offsets=q_offsets, q_start=q_start)
+    half = flexhstu.delta_hstu_mha(
+        7, None, q[rows].bfloat16(), k.bfloat16(), v.bfloat16(), offs, q_offsets=q_offsets, q_start=q_start
+    )
     assert half.dtype == torch.bfloat16
     torch.testing.assert_close(half.float(), full[rows], rtol=2e-2, atol=2e-2)
 
@@ -159,8 +175,11 @@ def test_asking_for_a_gradient_raises_forward_only():
 
 I32 = dict(dtype=torch.int32)
 BAD = [
-    (dict(q_start=torch.tensor([3, 0])), ValueError,
-     r"q_start\[0\]: expected 0 <= q_start <= L - \(query rows\) = 5 - 3"),
+    (
+        dict(q_start=torch.tensor([3, 0])),
+        ValueError,
+        r"q_start\[0\]: expected 0 <= q_start <= L - \(query rows\) = 5 - 3",
+    ),
     (dict(q_start=torch.tensor([-1, 0])), ValueError, r"q_start\[0\]: expected 0 <= q_start"),
     (dict(q_start=torch.tensor([0.0, 0.0])), TypeError, r"q_start: expected an integer tensor"),
     (dict(q_start=torch.tensor([0])), ValueError, r"q_start: expected a \(2,\) tensor"),

@@ -21,8 +21,9 @@ def batch(dtype=torch.float32, dqk=16, dv=24):
     q, k = (torch.randn(total, 2, dqk, generator=g).to(dtype) for _ in range(2))
     v = torch.randn(total, 2, dv, generator=g).to(dtype)
     offs = offsets_from(LENGTHS)
-    rows = torch.cat([torch.arange(int(offs[b]) + s, int(offs[b]) + s + n)
-                      for b, (s, n) in enumerate(zip(STARTS, COUNTS))])
+    rows = torch.cat(
+        [torch.arange(int(offs[b]) + s, int(offs[b]) + s + n) for b, (s, n) in enumerate(zip(STARTS, COUNTS))]
+    )
     return q, k, v, offs, rows, offsets_from(COUNTS), torch.tensor(STARTS)
 
 
@@ -35,8 +36,10 @@ def funcs(offs):
     }
 
 
-RULES = {"causal": {}, "fixed": dict(num_targets=TARGETS, max_attn_len=5, contextual_seq_len=2,
-                                     min_full_attn_seq_len=3)}
+RULES = {
+    "causal": {},
+    "fixed": dict(num_targets=TARGETS, max_attn_len=5, contextual_seq_len=2, min_full_attn_seq_len=3),
+}
 
 
 def mask_keywords(name, offs, rows):
@@ -52,8 +55,9 @@ def test_triton_delta_rows_equal_the_rows_of_a_full_reference_call(name):
     q, k, v, offs, rows, q_offsets, q_start = batch()
     full_kw, delta_kw = mask_keywords(name, offs, rows)
     full = flexhstu.hstu_mha(80, 0.3, q, k, v, offs, kernel=Kernel.PYTORCH, **full_kw)
-    got = flexhstu.delta_hstu_mha(80, 0.3, q[rows], k, v, offs, q_offsets=q_offsets, q_start=q_start,
-                                  kernel=Kernel.TRITON, **delta_kw)
+    got = flexhstu.delta_hstu_mha(
+        80, 0.3, q[rows], k, v, offs, q_offsets=q_offsets, q_start=q_start, kernel=Kernel.TRITON, **delta_kw
+    )
     torch.testing.assert_close(got, full[rows], rtol=2e-5, atol=2e-5)
 
 
@@ -61,8 +65,9 @@ def test_triton_delta_in_float16_with_a_padded_head_dim_is_within_half_tolerance
     # Not bfloat16: Triton's interpreter computes tl.dot on bf16 tiles wrongly (the training kernel's too).
     q, k, v, offs, rows, q_offsets, q_start = batch(torch.float16, dqk=16, dv=20)
     full = flexhstu.hstu_mha(80, None, q.float(), k.float(), v.float(), offs, kernel=Kernel.PYTORCH)
-    got = flexhstu.delta_hstu_mha(80, None, q[rows], k, v, offs, q_offsets=q_offsets, q_start=q_start,
-                                  kernel=Kernel.TRITON)
+    got = flexhstu.delta_hstu_mha(
+        80, None, q[rows], k, v, offs, q_offsets=q_offsets, q_start=q_start, kernel=Kernel.TRITON
+    )
     assert got.dtype == torch.float16
     torch.testing.assert_close(got.float(), full[rows], rtol=2e-2, atol=2e-2)
 
@@ -73,8 +78,17 @@ def test_query_rows_outside_their_sequence_get_zero_rows_without_a_check():
     bad_start = torch.tensor([25, 0, -20, 1000])  # rows 15.. of seq 0, rows 0..19 of seq 2, all of seq 3 are outside
     got = triton_delta_hstu_mha(q[rows], k, v, offs, q_offsets, bad_start, alpha=0.3, out_scale=1 / 80)
     want = flexhstu.ops.pytorch.delta_reference.pytorch_delta_hstu_mha(
-        q[rows], k, v, offs, q_offsets, bad_start, flexhstu.masks.rules.FixedRule(), alpha=0.3, scaling_seqlen=80,
-        max_seq_len=80)
+        q[rows],
+        k,
+        v,
+        offs,
+        q_offsets,
+        bad_start,
+        flexhstu.masks.rules.FixedRule(),
+        alpha=0.3,
+        scaling_seqlen=80,
+        max_seq_len=80,
+    )
     outside = torch.cat([torch.arange(15, 30), torch.arange(30, 50), torch.arange(80, 89)])
     assert got[outside].abs().max() == 0
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
@@ -83,8 +97,9 @@ def test_query_rows_outside_their_sequence_get_zero_rows_without_a_check():
 def test_explicit_triton_without_a_supported_input_raises_with_the_reason():
     q, k, v, offs, rows, q_offsets, q_start = batch(torch.float64)
     with pytest.raises(ValueError, match=r"q.dtype: expected float16, bfloat16 or float32 for Kernel.TRITON"):
-        flexhstu.delta_hstu_mha(80, None, q[rows], k, v, offs, q_offsets=q_offsets, q_start=q_start,
-                                kernel=Kernel.TRITON)
+        flexhstu.delta_hstu_mha(
+            80, None, q[rows], k, v, offs, q_offsets=q_offsets, q_start=q_start, kernel=Kernel.TRITON
+        )
 
 
 @pytest.mark.parametrize("splits", [2, 3, 16])
@@ -96,8 +111,9 @@ def test_key_blocks_split_across_programs_add_up_to_the_full_call(name, splits):
     full_kw, delta_kw = mask_keywords(name, offs, rows)
     full = flexhstu.hstu_mha(80, 0.3, q, k, v, offs, kernel=Kernel.PYTORCH, **full_kw)
     with forced_key_splits(splits):
-        got = flexhstu.delta_hstu_mha(80, 0.3, q[rows], k, v, offs, q_offsets=q_offsets, q_start=q_start,
-                                      kernel=Kernel.TRITON, **delta_kw)
+        got = flexhstu.delta_hstu_mha(
+            80, 0.3, q[rows], k, v, offs, q_offsets=q_offsets, q_start=q_start, kernel=Kernel.TRITON, **delta_kw
+        )
     torch.testing.assert_close(got, full[rows], rtol=2e-5, atol=2e-5)
 
 
@@ -116,8 +132,8 @@ def slotted(k, v, offs, room, garbage=float("nan")):
     ks = torch.full((int(slot_offs[-1]), *k.shape[1:]), garbage)
     vs = torch.full((int(slot_offs[-1]), *v.shape[1:]), garbage)
     for b in range(len(lengths)):
-        ks[slot_offs[b]:slot_offs[b] + lengths[b]] = k[offs[b]:offs[b + 1]]
-        vs[slot_offs[b]:slot_offs[b] + lengths[b]] = v[offs[b]:offs[b + 1]]
+        ks[slot_offs[b] : slot_offs[b] + lengths[b]] = k[offs[b] : offs[b + 1]]
+        vs[slot_offs[b] : slot_offs[b] + lengths[b]] = v[offs[b] : offs[b + 1]]
     return ks, vs, slot_offs, lengths
 
 
@@ -130,8 +146,19 @@ def test_kv_lengths_read_only_the_used_rows_of_each_slot(name, kernel):
     full_kw, delta_kw = mask_keywords(name, offs, rows)
     full = flexhstu.hstu_mha(80, 0.3, q, k, v, offs, kernel=Kernel.PYTORCH, **full_kw)
     with forced_key_splits(2):
-        got = flexhstu.delta_hstu_mha(80, 0.3, q[rows], ks, vs, slot_offs, q_offsets=q_offsets, q_start=q_start,
-                                      kernel=kernel, kv_lengths=lengths, **delta_kw)
+        got = flexhstu.delta_hstu_mha(
+            80,
+            0.3,
+            q[rows],
+            ks,
+            vs,
+            slot_offs,
+            q_offsets=q_offsets,
+            q_start=q_start,
+            kernel=kernel,
+            kv_lengths=lengths,
+            **delta_kw,
+        )
     torch.testing.assert_close(got, full[rows], rtol=2e-5, atol=2e-5)
 
 
@@ -139,26 +166,49 @@ def test_kv_lengths_past_the_slot_are_refused_on_the_host_and_clamped_in_the_ker
     q, k, v, offs, rows, q_offsets, q_start = batch()
     ks, vs, slot_offs, lengths = slotted(k, v, offs, room=[0, 0, 0, 0], garbage=0.0)
     with pytest.raises(ValueError, match=r"kv_lengths\[2\].*0 <= kv_lengths <= the slot's rows 70"):
-        flexhstu.delta_hstu_mha(80, 0.3, q[rows], ks, vs, slot_offs, q_offsets=q_offsets, q_start=q_start,
-                                kv_lengths=lengths + torch.tensor([0, 0, 1, 0]))
+        flexhstu.delta_hstu_mha(
+            80,
+            0.3,
+            q[rows],
+            ks,
+            vs,
+            slot_offs,
+            q_offsets=q_offsets,
+            q_start=q_start,
+            kv_lengths=lengths + torch.tensor([0, 0, 1, 0]),
+        )
     with pytest.raises(TypeError, match="kv_lengths"):
-        flexhstu.delta_hstu_mha(80, 0.3, q[rows], ks, vs, slot_offs, q_offsets=q_offsets, q_start=q_start,
-                                kv_lengths=lengths.float())
+        flexhstu.delta_hstu_mha(
+            80, 0.3, q[rows], ks, vs, slot_offs, q_offsets=q_offsets, q_start=q_start, kv_lengths=lengths.float()
+        )
     # Unchecked (as on CUDA): lengths past the slot or negative read no other sequence's rows.
     bad = torch.tensor([1000, 0, 70, -5])
-    got = triton_delta_hstu_mha(q[rows], ks, vs, slot_offs, q_offsets, q_start, alpha=0.3, out_scale=1 / 80,
-                                kv_lengths=bad)
-    want = triton_delta_hstu_mha(q[rows], ks, vs, slot_offs, q_offsets, q_start, alpha=0.3, out_scale=1 / 80,
-                                 kv_lengths=torch.tensor([40, 0, 70, 0]))
+    got = triton_delta_hstu_mha(
+        q[rows], ks, vs, slot_offs, q_offsets, q_start, alpha=0.3, out_scale=1 / 80, kv_lengths=bad
+    )
+    want = triton_delta_hstu_mha(
+        q[rows],
+        ks,
+        vs,
+        slot_offs,
+        q_offsets,
+        q_start,
+        alpha=0.3,
+        out_scale=1 / 80,
+        kv_lengths=torch.tensor([40, 0, 70, 0]),
+    )
     torch.testing.assert_close(got, want)
 
 
-@pytest.mark.parametrize("bad_kv, bad_q", [
-    ([0, 40, 40, 110, 119], [0, 30, 30, 80, 89]),  # valid: the safe copies equal them
-    ([0, 60, 20, 130, 119], [0, 30, 30, 80, 89]),  # key offsets decrease, then pass the keys' end
-    ([-9, 40, 40, 110, 200], [0, 50, 10, 95, 89]),  # negative first, last past the end; query offsets too
-    ([0, 40, 40, 110, 119], [3, 30, 29, 80, 70]),  # query offsets neither start at 0 nor end at the rows
-])
+@pytest.mark.parametrize(
+    "bad_kv, bad_q",
+    [
+        ([0, 40, 40, 110, 119], [0, 30, 30, 80, 89]),  # valid: the safe copies equal them
+        ([0, 60, 20, 130, 119], [0, 30, 30, 80, 89]),  # key offsets decrease, then pass the keys' end
+        ([-9, 40, 40, 110, 200], [0, 50, 10, 95, 89]),  # negative first, last past the end; query offsets too
+        ([0, 40, 40, 110, 119], [3, 30, 29, 80, 70]),  # query offsets neither start at 0 nor end at the rows
+    ],
+)
 def test_offsets_that_break_the_rules_keep_the_delta_kernel_inside_its_buffers(bad_kv, bad_q):
     # On CUDA delta_hstu_mha reads no offsets (no sync): the kernel follows safe copies (clamped, non-decreasing,
     # 0 first, the rows last). In bounds (the interpreter raises on an out-of-bounds access) and equal to the
@@ -171,6 +221,16 @@ def test_offsets_that_break_the_rules_keep_the_delta_kernel_inside_its_buffers(b
     got = triton_delta_hstu_mha(q[rows], k, v, bad_kv, bad_q, q_start, alpha=0.3, out_scale=1 / 80)
     safe_kv, safe_q = safe_offsets(bad_kv, k.shape[0]), safe_offsets(bad_q, rows.numel())
     assert safe_kv[0] == 0 and safe_kv[-1] == k.shape[0] and (safe_kv.diff() >= 0).all()
-    want = pytorch_delta_hstu_mha(q[rows], k, v, safe_kv, safe_q, q_start, flexhstu.masks.rules.FixedRule(),
-                                  alpha=0.3, scaling_seqlen=80, max_seq_len=200)
+    want = pytorch_delta_hstu_mha(
+        q[rows],
+        k,
+        v,
+        safe_kv,
+        safe_q,
+        q_start,
+        flexhstu.masks.rules.FixedRule(),
+        alpha=0.3,
+        scaling_seqlen=80,
+        max_seq_len=200,
+    )
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)

@@ -26,40 +26,76 @@ def call(batch, **kw):
 
 
 CASES = [
-    (dict(attn_func=torch.zeros(1, 1, 8, dtype=torch.int64)), TypeError,
-     r"attn_func: expected dtype torch.int32, got torch.int64"),
+    (
+        dict(attn_func=torch.zeros(1, 1, 8, dtype=torch.int64)),
+        TypeError,
+        r"attn_func: expected dtype torch.int32, got torch.int64",
+    ),
     (dict(attn_func=torch.zeros(1, 8, dtype=torch.int32)), ValueError, r"attn_func: expected a 3-D tensor"),
-    (dict(attn_func=torch.zeros(1, 4, 8, dtype=torch.int32)), ValueError,
-     r"attn_func.shape\[1\] \(NFUNC\): expected an odd width >= 1, got 4"),
-    (dict(attn_func=torch.zeros(1, 3, 7, dtype=torch.int32)), ValueError,
-     r"attn_func.shape\[2\]: expected one column per query row \(8\), got 7"),
-    (dict(attn_func=torch.zeros(3, 3, 8, dtype=torch.int32)), ValueError,
-     r"attn_func.shape\[0\] \(Hf\): expected 1 or the number of heads \(2\), got 3"),
-    (dict(attn_func=torch.zeros(1, 3, 8, dtype=torch.int32), num_targets=torch.tensor([1, 1])), ValueError,
-     r"attn_func: .*leave num_targets at the default"),
+    (
+        dict(attn_func=torch.zeros(1, 4, 8, dtype=torch.int32)),
+        ValueError,
+        r"attn_func.shape\[1\] \(NFUNC\): expected an odd width >= 1, got 4",
+    ),
+    (
+        dict(attn_func=torch.zeros(1, 3, 7, dtype=torch.int32)),
+        ValueError,
+        r"attn_func.shape\[2\]: expected one column per query row \(8\), got 7",
+    ),
+    (
+        dict(attn_func=torch.zeros(3, 3, 8, dtype=torch.int32)),
+        ValueError,
+        r"attn_func.shape\[0\] \(Hf\): expected 1 or the number of heads \(2\), got 3",
+    ),
+    (
+        dict(attn_func=torch.zeros(1, 3, 8, dtype=torch.int32), num_targets=torch.tensor([1, 1])),
+        ValueError,
+        r"attn_func: .*leave num_targets at the default",
+    ),
     (dict(attn_func=torch.zeros(1, 3, 8, dtype=torch.int32), max_attn_len=3), ValueError, r"leave max_attn_len"),
-    (dict(attn_func=torch.zeros(1, 3, 8, dtype=torch.int32), contextual_seq_len=1), ValueError,
-     r"leave contextual_seq_len"),
+    (
+        dict(attn_func=torch.zeros(1, 3, 8, dtype=torch.int32), contextual_seq_len=1),
+        ValueError,
+        r"leave contextual_seq_len",
+    ),
     (dict(k=torch.randn(7, 2, 4)), ValueError, r"k.shape\[0\]: expected the rows of q \(8\), got 7"),
     (dict(v=torch.randn(8, 3, 4)), ValueError, r"v.shape\[1\] \(heads\): expected the heads of q \(2\), got 3"),
     (dict(k=torch.randn(8, 2, 6)), ValueError, r"k.shape\[2\] \(Dqk\): expected the head dim of q \(4\), got 6"),
     (dict(seq_offsets=torch.tensor([1, 5, 8])), ValueError, r"seq_offsets\[0\]: expected 0, got 1"),
-    (dict(seq_offsets=torch.tensor([0, 6, 5, 8])), ValueError,
-     r"seq_offsets: expected non-decreasing offsets, got seq_offsets\[2\] = 5 < seq_offsets\[1\] = 6"),
-    (dict(seq_offsets=torch.tensor([0, 5, 9])), ValueError,
-     r"seq_offsets\[-1\]: expected the number of rows of the data \(8\), got 9"),
+    (
+        dict(seq_offsets=torch.tensor([0, 6, 5, 8])),
+        ValueError,
+        r"seq_offsets: expected non-decreasing offsets, got seq_offsets\[2\] = 5 < seq_offsets\[1\] = 6",
+    ),
+    (
+        dict(seq_offsets=torch.tensor([0, 5, 9])),
+        ValueError,
+        r"seq_offsets\[-1\]: expected the number of rows of the data \(8\), got 9",
+    ),
     (dict(seq_offsets=torch.tensor([0, 5, 8.0])), TypeError, r"seq_offsets: expected dtype torch.int32 or torch.int64"),
-    (dict(max_seq_len=4), ValueError,
-     r"max_seq_len: expected at least every sequence length \(sequence 0 has 5\), got 4"),
-    (dict(num_targets=torch.tensor([1, 4])), ValueError,
-     r"num_targets\[1\]: expected 0 <= T <= the sequence length 3, got 4"),
+    (
+        dict(max_seq_len=4),
+        ValueError,
+        r"max_seq_len: expected at least every sequence length \(sequence 0 has 5\), got 4",
+    ),
+    (
+        dict(num_targets=torch.tensor([1, 4])),
+        ValueError,
+        r"num_targets\[1\]: expected 0 <= T <= the sequence length 3, got 4",
+    ),
     (dict(num_targets=torch.tensor([1])), ValueError, r"num_targets: expected a \(2,\) tensor"),
     (dict(dropout_pr=1.5), ValueError, r"dropout_pr: expected a probability in \[0, 1\), got 1.5"),
     (dict(q=torch.randn(8, 2, 4).long()), TypeError, r"q: expected float16, bfloat16, float32 or float64"),
-    (dict(num_targets=torch.tensor([1.0, 1.5])), TypeError,
-     r"num_targets: expected an integer tensor .*got torch.float32"),
-    (dict(num_targets=torch.tensor([True, False])), TypeError,
-     r"num_targets: expected an integer tensor .*got torch.bool"),
+    (
+        dict(num_targets=torch.tensor([1.0, 1.5])),
+        TypeError,
+        r"num_targets: expected an integer tensor .*got torch.float32",
+    ),
+    (
+        dict(num_targets=torch.tensor([True, False])),
+        TypeError,
+        r"num_targets: expected an integer tensor .*got torch.bool",
+    ),
     (dict(alpha=float("nan")), ValueError, r"alpha: expected a finite number, got nan"),
     (dict(alpha=float("inf")), ValueError, r"alpha: expected a finite number, got inf"),
     (dict(alpha="0.5"), TypeError, r"alpha: expected a real number, got str"),
@@ -68,8 +104,12 @@ CASES = [
     (dict(scaling_seqlen=float("nan")), ValueError, r"scaling_seqlen: expected a finite number, got nan"),
     (dict(scaling_seqlen=float("-inf")), ValueError, r"scaling_seqlen: expected a finite number, got -inf"),
     # 1 / 1e-300 overflows float32: every output was NaN (bad-input audit); 1 / 1e300 underflows to 0.
-    (dict(scaling_seqlen=1e-300), ValueError, r"scaling_seqlen: expected <= 0 \(the default\) or a scale from "
-     r"1e-37 to 1e\+37 .*got 1e-300"),
+    (
+        dict(scaling_seqlen=1e-300),
+        ValueError,
+        r"scaling_seqlen: expected <= 0 \(the default\) or a scale from "
+        r"1e-37 to 1e\+37 .*got 1e-300",
+    ),
     (dict(scaling_seqlen=1e300), ValueError, r"scaling_seqlen: expected <= 0 .*got 1e\+300"),
     # Any truthy object ran causal, None non-causal (audit).
     (dict(causal="no"), TypeError, r"causal: expected a bool \(Python or NumPy\), got str"),
@@ -84,18 +124,33 @@ CASES = [
     (dict(max_seq_len=torch.tensor(5)), TypeError, r"max_seq_len: expected a non-negative int \(not a Tensor\)"),
     (dict(max_seq_len=-1), ValueError, r"max_seq_len: expected a non-negative int, got -1"),
     (dict(max_attn_len=np.float64(2)), TypeError, r"max_attn_len: expected a non-negative int, got float64"),
-    (dict(attn_scale=torch.ones(7)), ValueError,
-     r"attn_scale: expected shape \(\) or one factor per query row \(8,\), got shape \(7,\)"),
+    (
+        dict(attn_scale=torch.ones(7)),
+        ValueError,
+        r"attn_scale: expected shape \(\) or one factor per query row \(8,\), got shape \(7,\)",
+    ),
     (dict(attn_scale=torch.ones(8, 1)), ValueError, r"attn_scale: expected shape \(\) or one factor"),
-    (dict(attn_scale=torch.ones(8, dtype=torch.int64)), TypeError,
-     r"attn_scale: expected a floating dtype, got torch.int64"),
+    (
+        dict(attn_scale=torch.ones(8, dtype=torch.int64)),
+        TypeError,
+        r"attn_scale: expected a floating dtype, got torch.int64",
+    ),
     (dict(attn_scale=0.5), TypeError, r"attn_scale: expected a torch.Tensor of shape \(\) or \(total,\), got float"),
-    (dict(attn_scale=torch.ones(8, device="meta")), ValueError,
-     r"attn_scale.device: expected the device of q \(cpu\), got meta"),
-    (dict(attn_scale=torch.tensor(0.1), scaling_seqlen=4), ValueError,
-     r"scaling_seqlen: expected the default -1 when attn_scale is given"),
-    (dict(kernel="fast"), ValueError,
-     r"kernel: expected one of \['auto', 'pytorch', 'triton', 'cutlass'\], got 'fast'"),
+    (
+        dict(attn_scale=torch.ones(8, device="meta")),
+        ValueError,
+        r"attn_scale.device: expected the device of q \(cpu\), got meta",
+    ),
+    (
+        dict(attn_scale=torch.tensor(0.1), scaling_seqlen=4),
+        ValueError,
+        r"scaling_seqlen: expected the default -1 when attn_scale is given",
+    ),
+    (
+        dict(kernel="fast"),
+        ValueError,
+        r"kernel: expected one of \['auto', 'pytorch', 'triton', 'cutlass'\], got 'fast'",
+    ),
 ]
 
 
@@ -191,8 +246,11 @@ def test_spans_longer_than_every_sequence_all_mean_the_same(huge):
     offs = offsets_from([5, 3, 0, 9])
     q, k, v = (torch.randn(17, 2, 8) for _ in range(3))
     nt = torch.tensor([1, 0, 0, 2])
-    for name, other in (("contextual_seq_len", {}), ("max_attn_len", {"contextual_seq_len": 2}),
-                        ("min_full_attn_seq_len", {"max_attn_len": 2})):
+    for name, other in (
+        ("contextual_seq_len", {}),
+        ("max_attn_len", {"contextual_seq_len": 2}),
+        ("min_full_attn_seq_len", {"max_attn_len": 2}),
+    ):
         small, big = ({name: x, **other, "num_targets": nt} for x in (100, huge))
         assert torch.equal(masks.fixed(offs, **small), masks.fixed(offs, **big)), name
         assert torch.equal(masks.dense_fixed(offs, 9, **small), masks.dense_fixed(offs, 9, **big)), name
@@ -205,10 +263,12 @@ def test_spans_longer_than_every_sequence_all_mean_the_same(huge):
 def test_dense_fixed_checks_its_arguments():
     # Audit: the public dense rule checked nothing (a bad offsets tensor gave a mask of garbage).
     offs = offsets_from([5, 3])
-    for kw, exc, msg in ((dict(max_seq_len=4), ValueError, r"max_seq_len: expected at least every sequence length"),
-                         (dict(causal="no"), TypeError, r"causal: expected a bool"),
-                         (dict(num_targets=torch.tensor([9, 1])), ValueError, r"num_targets\[0\]: expected 0 <= T"),
-                         (dict(max_attn_len=-1), ValueError, r"max_attn_len: expected a non-negative int")):
+    for kw, exc, msg in (
+        (dict(max_seq_len=4), ValueError, r"max_seq_len: expected at least every sequence length"),
+        (dict(causal="no"), TypeError, r"causal: expected a bool"),
+        (dict(num_targets=torch.tensor([9, 1])), ValueError, r"num_targets\[0\]: expected 0 <= T"),
+        (dict(max_attn_len=-1), ValueError, r"max_attn_len: expected a non-negative int"),
+    ):
         with pytest.raises(exc, match=msg):
             masks.dense_fixed(offs, **{"max_seq_len": 5, **kw})
     with pytest.raises(ValueError, match=r"seq_offsets: expected non-decreasing offsets"):

@@ -43,10 +43,12 @@ def plan_kwargs(name, offs, lengths):
         "fixed": dict(num_targets=nt, max_attn_len=10, contextual_seq_len=3),
         "sla": dict(attn_func=masks.sla(offs, 20, 4)),
         "sla-widened-5": dict(attn_func=masks.widen(masks.sla(offs, 20, 4), 5)),
-        "onerank": dict(attn_func=masks.onerank(offs, torch.tensor([(L // 3) // 4 * 4 for L in lengths],
-                                                                   device=DEVICE), 4)),
-        "random-per-head-5": dict(attn_func=torch.randint(-3, n + 3, (HEADS, 5, t), generator=g,
-                                                          dtype=torch.int32).to(DEVICE)),
+        "onerank": dict(
+            attn_func=masks.onerank(offs, torch.tensor([(L // 3) // 4 * 4 for L in lengths], device=DEVICE), 4)
+        ),
+        "random-per-head-5": dict(
+            attn_func=torch.randint(-3, n + 3, (HEADS, 5, t), generator=g, dtype=torch.int32).to(DEVICE)
+        ),
         "random-9": dict(attn_func=torch.randint(-3, n + 3, (1, 9, t), generator=g, dtype=torch.int32).to(DEVICE)),
     }[name]
 
@@ -54,8 +56,14 @@ def plan_kwargs(name, offs, lengths):
 def mask_args(plan):
     """triton_hstu_mha's mask arguments that match the plan (what hstu_mha passes for the same mask)."""
     vis = plan.block.vis
-    return dict(func=vis.func, num_targets=vis.num_targets, causal_closed_form=vis.mode == 1,
-                contextual=vis.contextual, window=vis.window, min_full=vis.min_full)
+    return dict(
+        func=vis.func,
+        num_targets=vis.num_targets,
+        causal_closed_form=vis.mode == 1,
+        contextual=vis.contextual,
+        window=vis.window,
+        min_full=vis.min_full,
+    )
 
 
 def tensors(total, seed, dqk=16, dv=32):
@@ -67,11 +75,12 @@ def two_layers(q, k, v, offs, margs, plan, n):
     """Two attention calls in a row, the second fed from the first's output (one plan for both)."""
     common = dict(alpha=0.3, out_scale=1 / 50, max_seq_len=n, plan=plan, **margs)
     h1 = triton_hstu_mha(q, k, v, offs, **common)
-    return triton_hstu_mha(h1[..., :q.shape[2]] + q, k, h1 + v, offs, **common)
+    return triton_hstu_mha(h1[..., : q.shape[2]] + q, k, h1 + v, offs, **common)
 
 
-@pytest.mark.parametrize("name", ["causal", "non-causal", "fixed", "sla", "sla-widened-5", "onerank",
-                                  "random-per-head-5", "random-9"])
+@pytest.mark.parametrize(
+    "name", ["causal", "non-causal", "fixed", "sla", "sla-widened-5", "onerank", "random-per-head-5", "random-9"]
+)
 def test_a_plan_reused_across_two_layers_gives_the_plan_free_results(name):
     offs = offsets_from(LENGTHS).to(DEVICE)
     total, n = sum(LENGTHS), max(LENGTHS)
@@ -130,8 +139,11 @@ def test_a_plan_whose_tensors_changed_in_place_is_refused(changed):
     total = sum(LENGTHS)
     func = masks.sla(offs, 20, 4)
     nt = torch.tensor([3, 0, 5, 1], device=DEVICE)
-    margs = {"seq_offsets": dict(causal_closed_form=True), "attn_func": dict(func=func),
-             "num_targets": dict(num_targets=nt)}[changed]
+    margs = {
+        "seq_offsets": dict(causal_closed_form=True),
+        "attn_func": dict(func=func),
+        "num_targets": dict(num_targets=nt),
+    }[changed]
     plan_args = {"seq_offsets": {}, "attn_func": dict(attn_func=func), "num_targets": dict(num_targets=nt)}[changed]
     plan = build_plan(offs, total=total, max_seq_len=70, **plan_args)
     _call(plan, offs, total, **margs)  # accepted before the change
@@ -145,8 +157,11 @@ def test_a_plan_of_another_mask_is_refused(call_mask):
     offs = offsets_from(LENGTHS).to(DEVICE)
     func = masks.sla(offs, 20, 4)
     plan = build_plan(offs, total=sum(LENGTHS), max_seq_len=70, attn_func=func)
-    margs = {"other-func": dict(func=func.clone()), "causal": dict(causal_closed_form=True),
-             "fixed-window": dict(window=8)}[call_mask]
+    margs = {
+        "other-func": dict(func=func.clone()),
+        "causal": dict(causal_closed_form=True),
+        "fixed-window": dict(window=8),
+    }[call_mask]
     with pytest.raises(ValueError, match="attn_plan: expected a plan for the call's mask"):
         _call(plan, offs, sum(LENGTHS), **margs)
 
@@ -215,16 +230,24 @@ def test_the_stu_stack_builds_one_plan_per_batch(monkeypatch):
     monkeypatch.setattr(flexhstu.nn.stu, "build_plan", counting)
     offs = offsets_from(LENGTHS).to(DEVICE)
     total, n = sum(LENGTHS), max(LENGTHS)
-    cfg = STULayerConfig(embedding_dim=16, num_heads=2, attention_dim=16, hidden_dim=16, dropout=0.0,
-                         kernel=Kernel.TRITON, compile=False)
+    cfg = STULayerConfig(
+        embedding_dim=16, num_heads=2, attention_dim=16, hidden_dim=16, dropout=0.0, kernel=Kernel.TRITON, compile=False
+    )
     stack = STUStack(cfg, 3).to(DEVICE)
     x = torch.randn(total, 16, device=DEVICE, requires_grad=True)
     func = masks.sla(offs, 20, 4)
     out = stack(x, offs, n, attn_func=func, sparse=True)
     out.sum().backward()
     assert built == [True]
-    cfg_ref = STULayerConfig(embedding_dim=16, num_heads=2, attention_dim=16, hidden_dim=16, dropout=0.0,
-                             kernel=Kernel.PYTORCH, compile=False)
+    cfg_ref = STULayerConfig(
+        embedding_dim=16,
+        num_heads=2,
+        attention_dim=16,
+        hidden_dim=16,
+        dropout=0.0,
+        kernel=Kernel.PYTORCH,
+        compile=False,
+    )
     ref_stack = STUStack(cfg_ref, 3).to(DEVICE)
     ref_stack.load_state_dict(stack.state_dict())
     torch.testing.assert_close(out, ref_stack(x, offs, n, attn_func=func), rtol=1e-4, atol=1e-5)
@@ -234,9 +257,11 @@ def test_building_a_plan_imports_no_triton():
     import subprocess
     import sys
 
-    code = ("import sys, torch, flexhstu; o = torch.tensor([0, 3, 5]); "
-            "flexhstu.build_plan(o, total=5, max_seq_len=3, attn_func=flexhstu.masks.sla(o, 2, 1)); "
-            "print('triton' in sys.modules)")
+    code = (
+        "import sys, torch, flexhstu; o = torch.tensor([0, 3, 5]); "
+        "flexhstu.build_plan(o, total=5, max_seq_len=3, attn_func=flexhstu.masks.sla(o, 2, 1)); "
+        "print('triton' in sys.modules)"
+    )
     env = {k: val for k, val in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip() == "False"

@@ -123,8 +123,11 @@ def test_dropout_zeroes_a_fraction_p_and_rescales_the_rest_only_in_training(p):
     torch.testing.assert_close(dropped[kept], base[kept] / (1 - p), rtol=1e-12, atol=0)
 
 
-@given(lengths=st.lists(st.integers(0, 9), min_size=2, max_size=4), seed=st.integers(0, 1000),
-       dtype=st.sampled_from([torch.int32, torch.int64]))
+@given(
+    lengths=st.lists(st.integers(0, 9), min_size=2, max_size=4),
+    seed=st.integers(0, 1000),
+    dtype=st.sampled_from([torch.int32, torch.int64]),
+)
 def test_strided_offsets_targets_and_funcs_give_the_same_output(lengths, seed, dtype):
     offs = offsets_from(lengths, dtype)
     nt = torch.tensor([L // 2 for L in lengths])
@@ -183,8 +186,9 @@ def test_non_finite_input_in_one_sequence_leaves_the_others_untouched(which, bad
 def test_nan_key_hidden_from_a_row_does_not_reach_that_row(lengths, seed, data):
     offs = offsets_from(lengths)
     total = sum(lengths)
-    func = torch.randint(-1, max(lengths) + 2, (2, 5, total), generator=torch.Generator().manual_seed(seed),
-                         dtype=torch.int32)
+    func = torch.randint(
+        -1, max(lengths) + 2, (2, 5, total), generator=torch.Generator().manual_seed(seed), dtype=torch.int32
+    )
     b = data.draw(st.integers(0, len(lengths) - 1))
     j = data.draw(st.integers(0, lengths[b] - 1))
     q, k, v = make_batch(lengths, seed=seed)

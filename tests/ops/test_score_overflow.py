@@ -11,8 +11,15 @@ from rules import offsets_from
 import flexhstu
 from flexhstu import Kernel, masks
 
-KERNELS = [Kernel.PYTORCH, pytest.param(Kernel.TRITON, marks=pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 for the Triton kernel on CPU"))]
+KERNELS = [
+    Kernel.PYTORCH,
+    pytest.param(
+        Kernel.TRITON,
+        marks=pytest.mark.skipif(
+            os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 for the Triton kernel on CPU"
+        ),
+    ),
+]
 
 
 def _inputs(negative_only: bool):

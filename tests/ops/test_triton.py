@@ -104,9 +104,21 @@ def mask_case(name, offs, lengths, heads):
     raise KeyError(name)
 
 
-CASES = ["causal", "non-causal", "fixed", "fixed-targets", "sla", "sla-widened-7", "sla-widened-5-mixed", "onerank",
-         "causal-func",
-         "random-per-head-5", "random-7", "random-9", "stride0-expanded"]
+CASES = [
+    "causal",
+    "non-causal",
+    "fixed",
+    "fixed-targets",
+    "sla",
+    "sla-widened-7",
+    "sla-widened-5-mixed",
+    "onerank",
+    "causal-func",
+    "random-per-head-5",
+    "random-7",
+    "random-9",
+    "stride0-expanded",
+]
 
 
 def to_device(kw):
@@ -141,8 +153,9 @@ def test_half_precision_stays_close_to_float32():
     offs = offsets_from(lengths).to(DEVICE)
     q, k, v = batch(lengths, heads=1, dqk=16, dv=16, dtype=torch.float16, seed=4)
     out = flexhstu.hstu_mha(33, None, q, k, v, offs, attn_func=masks.sla(offs, 8, 3), kernel=Kernel.TRITON)
-    ref = flexhstu.hstu_mha(33, None, q.float(), k.float(), v.float(), offs, attn_func=masks.sla(offs, 8, 3),
-                            kernel=Kernel.PYTORCH)
+    ref = flexhstu.hstu_mha(
+        33, None, q.float(), k.float(), v.float(), offs, attn_func=masks.sla(offs, 8, 3), kernel=Kernel.PYTORCH
+    )
     assert out.dtype == torch.float16
     assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
 
@@ -316,9 +329,11 @@ def test_head_dims_that_are_not_powers_of_two_match_the_reference(dqk, dv, mode)
     lengths = [37, 0, 21]
     offs = offsets_from(lengths).to(DEVICE)
     q, k, v = batch(lengths, heads=1, dqk=dqk, dv=dv, seed=dqk + dv)
-    kw = {"causal": {}, "fixed": dict(num_targets=torch.tensor([5, 0, 4], device=DEVICE), max_attn_len=9,
-                                      contextual_seq_len=2),
-          "func": dict(attn_func=masks.sla(offs.cpu(), 9, 3).to(DEVICE))}[mode]
+    kw = {
+        "causal": {},
+        "fixed": dict(num_targets=torch.tensor([5, 0, 4], device=DEVICE), max_attn_len=9, contextual_seq_len=2),
+        "func": dict(attn_func=masks.sla(offs.cpu(), 9, 3).to(DEVICE)),
+    }[mode]
     out = assert_matches_reference(37, None, q, k, v, offs, **kw)
     assert out.shape == (sum(lengths), 1, dv)
 

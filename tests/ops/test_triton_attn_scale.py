@@ -42,8 +42,11 @@ def test_attn_scale_scales_each_row_forward_and_backward(mask):
     offs = offsets_from(LENGTHS).to(DEVICE)
     (q, k, v), scale = _inputs()
     nt = torch.tensor([min(5, L) for L in LENGTHS], device=DEVICE)
-    margs = {"causal": dict(causal_closed_form=True), "sla": dict(func=masks.sla(offs, 20, 4)),
-             "fixed": dict(num_targets=nt, window=10)}[mask]
+    margs = {
+        "causal": dict(causal_closed_form=True),
+        "sla": dict(func=masks.sla(offs, 20, 4)),
+        "fixed": dict(num_targets=nt, window=10),
+    }[mask]
     ref_kw = {"causal": {}, "sla": dict(attn_func=margs.get("func")), "fixed": dict(num_targets=nt, max_attn_len=10)}
     out = triton_hstu_mha(q, k, v, offs, alpha=0.3, out_scale=123.0, max_seq_len=70, attn_scale=scale, **margs)
     # The reference with scaling 1 gives silu(S) * M V; attn_scale multiplies output row t by scale[t].
@@ -57,18 +60,22 @@ def test_attn_scale_scales_each_row_forward_and_backward(mask):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, msg=lambda m, what=what: f"{what}: {m}")
 
 
-@pytest.mark.parametrize("bad, message", [
-    (lambda s: s.double(), "float64"),
-    (lambda s: s[:-1], r"\(111,\)"),
-    (lambda s: torch.stack([s, s], 1)[:, 0], "not contiguous"),
-    (lambda s: s.clone().requires_grad_(True), "requires_grad=True"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (lambda s: s.double(), "float64"),
+        (lambda s: s[:-1], r"\(111,\)"),
+        (lambda s: torch.stack([s, s], 1)[:, 0], "not contiguous"),
+        (lambda s: s.clone().requires_grad_(True), "requires_grad=True"),
+    ],
+)
 def test_a_bad_attn_scale_is_refused_by_name(bad, message):
     offs = offsets_from(LENGTHS).to(DEVICE)
     (q, k, v), scale = _inputs()
     with pytest.raises(ValueError, match=f"attn_scale: expected .*{message}"):
-        triton_hstu_mha(q, k, v, offs, alpha=0.3, out_scale=1.0, max_seq_len=70, attn_scale=bad(scale),
-                        causal_closed_form=True)
+        triton_hstu_mha(
+            q, k, v, offs, alpha=0.3, out_scale=1.0, max_seq_len=70, attn_scale=bad(scale), causal_closed_form=True
+        )
 
 
 @pytest.mark.parametrize("per_row", [True, False], ids=["per-row", "scalar"])

@@ -13,11 +13,35 @@ from flexhstu.bench import serving, serving_aoti
 from flexhstu.cli import main as cli_main
 from flexhstu.models import OneRankModel
 
-TINY = ["--device", "cpu", "--dtype", "float32", "--backend", "pytorch", "--hist", "5,8", "--cands", "3",
-        "--micro-batch", "2,all", "--layers", "1", "--users", "1,2", "--dim", "16", "--heads", "2", "--samples", "2",
-        "--warmup", "1"]
-interpreting = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                  reason="the Triton kernels on the CPU need TRITON_INTERPRET=1")
+TINY = [
+    "--device",
+    "cpu",
+    "--dtype",
+    "float32",
+    "--backend",
+    "pytorch",
+    "--hist",
+    "5,8",
+    "--cands",
+    "3",
+    "--micro-batch",
+    "2,all",
+    "--layers",
+    "1",
+    "--users",
+    "1,2",
+    "--dim",
+    "16",
+    "--heads",
+    "2",
+    "--samples",
+    "2",
+    "--warmup",
+    "1",
+]
+interpreting = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton kernels on the CPU need TRITON_INTERPRET=1"
+)
 
 
 def run(args, tmp_path) -> tuple[int, list[dict]]:
@@ -31,8 +55,12 @@ def test_every_configuration_gets_a_row_and_cached_scores_equal_the_full_recompu
     assert status == 0
     scoring = [r for r in rows if r["part"] == "scoring"]
     # full at micro-batch 2: one forward per micro-batch, each recomputing the histories (3 candidates: 2 + 1)
-    want = [(h, u, path, mb) for h in (5, 8) for u in (1, 2) for path, mb in (("full", None), ("full", 2),
-                                                                              ("cached", 2), ("cached", None))]
+    want = [
+        (h, u, path, mb)
+        for h in (5, 8)
+        for u in (1, 2)
+        for path, mb in (("full", None), ("full", 2), ("cached", 2), ("cached", None))
+    ]
     assert [(r["hist"], r["users"], r["path"], r["micro_batch"]) for r in scoring] == want
     for r in scoring:
         assert r["status"] == "ok" and r["samples"] == 2 and r["median_ms"] <= r["p99_ms"]
@@ -55,7 +83,8 @@ def test_kernel_rows_count_the_visible_pairs_exactly(tmp_path):
         assert r["pairs"] == (delta + history if r["kernel"] == "full, onerank" else delta), r
         assert r["status"] == "ok" and r["tflops"] > 0
     assert [(r["hist"], r["users"], r["cands"]) for r in rows[::3]] == [
-        (h, u, c) for h in (5, 8) for u in (1, 2) for c in (2, 3)]  # micro-batch 2, and all 3
+        (h, u, c) for h in (5, 8) for u in (1, 2) for c in (2, 3)
+    ]  # micro-batch 2, and all 3
     assert [r["kernel"] for r in rows[:3]] == ["delta", "full, same pairs", "full, onerank"]
 
 
@@ -71,7 +100,11 @@ def test_out_of_memory_becomes_the_rows_status_and_the_run_goes_on(tmp_path, mon
     status, rows = run(TINY + ["--part", "scoring", "--hist", "5", "--users", "2"], tmp_path)
     assert status == 0
     assert [(r["path"], r["micro_batch"], r["status"]) for r in rows] == [
-        ("full", None, "ok"), ("full", 2, "ok"), ("cached", 2, "oom"), ("cached", None, "ok")]
+        ("full", None, "ok"),
+        ("full", 2, "ok"),
+        ("cached", 2, "oom"),
+        ("cached", None, "ok"),
+    ]
     assert rows[2]["median_ms"] is None
 
 
@@ -90,9 +123,33 @@ def test_an_input_the_library_refuses_becomes_the_rows_status(tmp_path, monkeypa
 def test_aoti_package_gives_the_eager_scores(tmp_path):
     # The whole AOTInductor path on the CPU: export with dynamic sizes, compile (gcc), load, compare, time. The
     # Triton backend puts the flexhstu::delta_hstu_mha_fwd custom op in the graph, as on the GPU.
-    args = ["--aoti", "--device", "cpu", "--dtype", "float32", "--backend", "triton", "--hist", "6", "--cands", "3",
-            "--micro-batch", "all", "--layers", "1", "--users", "1,3", "--dim", "16", "--heads", "2",
-            "--samples", "1", "--warmup", "0"]
+    args = [
+        "--aoti",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--backend",
+        "triton",
+        "--hist",
+        "6",
+        "--cands",
+        "3",
+        "--micro-batch",
+        "all",
+        "--layers",
+        "1",
+        "--users",
+        "1,3",
+        "--dim",
+        "16",
+        "--heads",
+        "2",
+        "--samples",
+        "1",
+        "--warmup",
+        "0",
+    ]
     status, rows = run(args, tmp_path)
     assert status == 0
     assert [(r["users"], r["cands"]) for r in rows] == [(1, 3), (3, 3)]  # one package for any number of users
@@ -122,15 +179,22 @@ def test_without_a_gpu_the_command_is_one_line_and_status_2(capsys):
     assert e.value.code == 2
     assert capsys.readouterr().err.splitlines() == [
         "flexhstu bench --serving: error: --device: expected a CUDA GPU, found none (--device cpu only runs the "
-        "code path, for tests)"]
+        "code path, for tests)"
+    ]
 
 
-@pytest.mark.parametrize(("args", "words"), [
-    (["--micro-batch", "64,0"], "argument --micro-batch: expected comma-separated integers >= 1 or 'all', got '64,0'"),
-    (["--hist", "4096,x"], "argument --hist: expected an integer >= 1, got 'x'"),
-    (["--heads", "3"], "--heads: expected a divisor of --dim 16, got 3"),
-    (["--device", "tpu"], "--device: expected cuda or cpu, got 'tpu'"),
-])
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (
+            ["--micro-batch", "64,0"],
+            "argument --micro-batch: expected comma-separated integers >= 1 or 'all', got '64,0'",
+        ),
+        (["--hist", "4096,x"], "argument --hist: expected an integer >= 1, got 'x'"),
+        (["--heads", "3"], "--heads: expected a divisor of --dim 16, got 3"),
+        (["--device", "tpu"], "--device: expected cuda or cpu, got 'tpu'"),
+    ],
+)
 def test_option_mistakes_are_one_line_naming_the_option(args, words, capsys):
     with pytest.raises(SystemExit) as e:
         cli_main.main(["bench", "--serving"] + TINY + args)
@@ -144,4 +208,9 @@ def test_quick_is_the_subset_and_given_options_still_apply():
     assert (a.hist, a.cands, a.micro_batch, a.layers, a.users) == ([16384], [2048], [256, None], [4], [4])
     full = serving.parse(["--device", "cpu"])
     assert (full.hist, full.cands, full.micro_batch, full.layers, full.users) == (
-        [4096, 16384], [512, 2048], [64, 256, None], [2, 4, 8], [1, 8, 32])
+        [4096, 16384],
+        [512, 2048],
+        [64, 256, None],
+        [2, 4, 8],
+        [1, 8, 32],
+    )

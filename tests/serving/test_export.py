@@ -52,9 +52,12 @@ def test_a_static_export_keeps_the_example_sizes():
 def test_a_dynamic_export_needs_an_example_of_at_least_two_of_each():
     model, cache = cached_model()
     scorer = serving.MicroBatchScorer(model, cache.max_seq_len)
-    with pytest.raises(ValueError, match=r"example: expected at least 2 users, 2 history rows and 2 candidates for "
-                                         r"dynamic shapes \(torch.export specialises sizes 0 and 1\), got 1 users, "
-                                         r"8 history rows, 1 candidates"):
+    with pytest.raises(
+        ValueError,
+        match=r"example: expected at least 2 users, 2 history rows and 2 candidates for "
+        r"dynamic shapes \(torch.export specialises sizes 0 and 1\), got 1 users, "
+        r"8 history rows, 1 candidates",
+    ):
         serving.export_scorer(scorer, inputs(cache, ["c"], [1]))
     with pytest.raises(TypeError, match=r"example: expected a ScorerInputs"):
         serving.export_scorer(scorer, tuple(inputs(cache, ["a", "c"], [2, 2])))
@@ -63,8 +66,11 @@ def test_a_dynamic_export_needs_an_example_of_at_least_two_of_each():
 def test_compile_scorer_wants_a_pt2_package_path(tmp_path):
     model, cache = cached_model()
     scorer = serving.MicroBatchScorer(model, cache.max_seq_len)
-    with pytest.raises(ValueError, match=r"package_path: expected a file name ending in .pt2 \(AOTInductor's "
-                                         r"package\), got .*scorer.so"):
+    with pytest.raises(
+        ValueError,
+        match=r"package_path: expected a file name ending in .pt2 \(AOTInductor's "
+        r"package\), got .*scorer.so",
+    ):
         serving.compile_scorer(scorer, inputs(cache, ["a", "c"], [2, 2]), tmp_path / "scorer.so")
 
 
@@ -74,8 +80,12 @@ def test_the_exported_program_carries_no_offset_assertions():
     model, cache = cached_model()
     scorer = serving.MicroBatchScorer(model, cache.max_seq_len)
     program = serving.export_scorer(scorer, inputs(cache, ["a", "b", "c", "d"], [3, 2, 5, 1]))
-    nodes = [n for module in program.graph_module.modules() if isinstance(module, torch.fx.GraphModule)
-             for n in module.graph.nodes]  # the body sits in a submodule (no_grad)
+    nodes = [
+        n
+        for module in program.graph_module.modules()
+        if isinstance(module, torch.fx.GraphModule)
+        for n in module.graph.nodes
+    ]  # the body sits in a submodule (no_grad)
     messages = [str(n.args[1]) for n in nodes if "_assert_async" in str(n.target) and len(n.args) > 1]
     assert any("max_seq_len" in m for m in messages), messages  # the walk sees assertions (the reference's)
     assert not [m for m in messages if "seq_offsets" in m or "q_start" in m or "q_offsets" in m], messages

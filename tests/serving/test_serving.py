@@ -65,8 +65,14 @@ def test_cached_scores_follow_the_user_order_of_the_request():
 @pytest.mark.parametrize("mask", [None, "sla"])
 def test_extend_equals_prefill_of_the_grown_history(mask):
     torch.manual_seed(0)
-    stack = STUStack(STULayerConfig(embedding_dim=12, num_heads=2, attention_dim=4, hidden_dim=5, dropout=0.0,
-                                    kernel="pytorch"), 2).double().eval()
+    stack = (
+        STUStack(
+            STULayerConfig(embedding_dim=12, num_heads=2, attention_dim=4, hidden_dim=5, dropout=0.0, kernel="pytorch"),
+            2,
+        )
+        .double()
+        .eval()
+    )
     mask_fn = None if mask is None else (lambda o, t: {"attn_func": masks.sla(o, 2, 1, total=t)})
     before, after = [4, 0, 6], [3, 2, 0]
     x_before = torch.randn(sum(before), 12, dtype=torch.float64)
@@ -96,8 +102,13 @@ def test_extend_equals_prefill_of_the_grown_history(mask):
 
 def test_retrieval_cached_scores_equal_the_full_scores_of_the_last_state():
     torch.manual_seed(0)
-    model = HSTURetrieval(30, dim=16, layers=2, heads=2, max_len=20, mask="sla", sla_k1=3, sla_k2=1,
-                          kernel="pytorch", rel_bias=False).double().eval()
+    model = (
+        HSTURetrieval(
+            30, dim=16, layers=2, heads=2, max_len=20, mask="sla", sla_k1=3, sla_k2=1, kernel="pytorch", rel_bias=False
+        )
+        .double()
+        .eval()
+    )
     lengths = [6, 3, 9]
     items = torch.randint(1, 31, (18,))
     batch = SeqBatch(items, torch.arange(18) * 60, torch.zeros(18, dtype=torch.int64), offsets_from(lengths), 24)
@@ -131,8 +142,11 @@ def test_cache_errors_name_the_user_and_the_bound():
     model = OneRankModel(50, dim=16, layers=1, heads=2, max_len=40, kernel="pytorch").eval()
     hist, times, hoffs, cands, _ = ranking_request()
     cache = HistoryCache(1, 6)
-    with pytest.raises(ValueError, match=r"history of user 'c': expected at most the cache's max_seq_len=6 rows, "
-                                         r"got 8 rows"):
+    with pytest.raises(
+        ValueError,
+        match=r"history of user 'c': expected at most the cache's max_seq_len=6 rows, "
+        r"got 8 rows",
+    ):
         model.cache_histories(cache, ["a", "b", "c", "d"], hist, times, hoffs)
     assert len(cache) == 0
     cache = HistoryCache(1, 32)
@@ -148,18 +162,30 @@ def test_cache_errors_name_the_user_and_the_bound():
     small = HistoryCache(1, 16)
     model.cache_histories(small, ["a"], hist[:5], times[:5], offsets_from([5]))
     g = model.group_size
-    with pytest.raises(ValueError, match=rf"micro_batch: expected at most {(16 - 5) // g} candidates of user 'a' at "
-                                         rf"a time \(its history of 5 rows and {g} rows per candidate within the "
-                                         rf"cache's max_seq_len 16\), got None \(6 at once\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"micro_batch: expected at most {(16 - 5) // g} candidates of user 'a' at "
+        rf"a time \(its history of 5 rows and {g} rows per candidate within the "
+        rf"cache's max_seq_len 16\), got None \(6 at once\)",
+    ):
         model.score_cached(small, ["a"], cands[:6], offsets_from([6]))
-    with pytest.raises(ValueError, match=r"cand_items: expected item ids from 1 to num_items = 50 \(0: padding\), "
-                                         r"got 51"):
+    with pytest.raises(
+        ValueError,
+        match=r"cand_items: expected item ids from 1 to num_items = 50 \(0: padding\), "
+        r"got 51",
+    ):
         model.score_cached(cache, ["a"], torch.tensor([3, 51]), offsets_from([2]))
-    with pytest.raises(ValueError, match=r"item_ids: expected item ids from 1 to num_items = 50 \(0: padding\), "
-                                         r"got -1"):
+    with pytest.raises(
+        ValueError,
+        match=r"item_ids: expected item ids from 1 to num_items = 50 \(0: padding\), "
+        r"got -1",
+    ):
         model.cache_histories(cache, ["e"], torch.tensor([4, -1]), times[:2], offsets_from([2]))
-    with pytest.raises(TypeError, match=r"cand_items: expected an int64 or int32 tensor of item ids, "
-                                        r"got torch.float32"):
+    with pytest.raises(
+        TypeError,
+        match=r"cand_items: expected an int64 or int32 tensor of item ids, "
+        r"got torch.float32",
+    ):
         model.score_cached(cache, ["a"], torch.tensor([3.0, 4.0]), offsets_from([2]))
     model.train()
     with pytest.raises(RuntimeError, match=r"OneRankModel: expected eval mode"):
@@ -199,10 +225,14 @@ def test_cached_scores_through_the_triton_delta_kernel_equal_the_reference_full_
 def test_cached_serving_refuses_a_model_with_relative_attention_bias():
     # The delta path has no bias: running it would silently drop the bias the model was trained with.
     model = HSTURetrieval(30, dim=16, layers=2, heads=2, max_len=20, kernel="pytorch").double().eval()
-    batch = SeqBatch(torch.randint(1, 31, (5,)), torch.arange(5) * 60, torch.zeros(5, dtype=torch.int64),
-                     offsets_from([5]), 24)
-    with pytest.raises(ValueError, match=r"stack: expected STU layers without a relative attention bias .*"
-                                         r"got rel_bias on layer 0"):
+    batch = SeqBatch(
+        torch.randint(1, 31, (5,)), torch.arange(5) * 60, torch.zeros(5, dtype=torch.int64), offsets_from([5]), 24
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"stack: expected STU layers without a relative attention bias .*"
+        r"got rel_bias on layer 0",
+    ):
         model.cache_histories(HistoryCache(2, 24), [1], batch)
 
 
@@ -213,7 +243,7 @@ def test_a_history_gathered_with_room_keeps_each_history_before_its_spare_rows_a
     packed, roomy = cache.gather(["a", "b", "c", "d"]), cache.gather(["a", "b", "c", "d"], room=3)
     assert roomy.room == 3 and roomy.k[0].shape[0] == sum(HIST) + 4 * 3
     for b, (lo, n) in enumerate(zip(hoffs[:-1].tolist(), HIST)):
-        torch.testing.assert_close(roomy.k[1][lo + 3 * b:lo + 3 * b + n], packed.k[1][lo:lo + n], rtol=0, atol=0)
+        torch.testing.assert_close(roomy.k[1][lo + 3 * b : lo + 3 * b + n], packed.k[1][lo : lo + n], rtol=0, atol=0)
     # 6 new rows per user, more than the room of 3: writing them would overwrite the next user's history.
     x = torch.randn(24, 16, dtype=torch.float64)
     with pytest.raises(ValueError, match=r"new rows of user 0: expected at most the history's room of 3 rows"):
@@ -295,15 +325,21 @@ def test_a_refused_prefill_or_extend_leaves_the_cache_as_it_was():
     cache = HistoryCache(1, 6)
     serving.prefill(model.stack, cache, ["a", "b"], torch.randn(7, 16), offsets_from([2, 5]))
     before = {u: cache.length(u) for u in ("a", "b")}
-    with pytest.raises(ValueError, match=r"history of user 'b': expected at most the cache's max_seq_len=6 rows, "
-                                         r"got 7 cached and new rows"):
+    with pytest.raises(
+        ValueError,
+        match=r"history of user 'b': expected at most the cache's max_seq_len=6 rows, "
+        r"got 7 cached and new rows",
+    ):
         serving.extend(model.stack, cache, ["a", "b"], torch.randn(4, 16), offsets_from([2, 2]))
     assert {u: cache.length(u) for u in ("a", "b")} == before  # "a" alone would have fitted: not appended either
     with pytest.raises(ValueError, match=r"history of user 'd': expected at most .*got 7 rows"):
         serving.prefill(model.stack, cache, ["c", "d"], torch.randn(9, 16), offsets_from([2, 7]))
     assert "c" not in cache and "d" not in cache
-    with pytest.raises(ValueError, match=r"x: expected a \(total, 16\) tensor \(embedding_dim=16\), got shape "
-                                         r"\(3, 8\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"x: expected a \(total, 16\) tensor \(embedding_dim=16\), got shape "
+        r"\(3, 8\)",
+    ):
         serving.extend(model.stack, cache, ["a"], torch.randn(3, 8), offsets_from([3]))
     with pytest.raises(TypeError, match=r"x: expected torch.float32 .*got torch.float64"):
         serving.prefill(model.stack, cache, ["e"], torch.randn(3, 16, dtype=torch.float64), offsets_from([3]))
@@ -321,8 +357,12 @@ def test_cache_put_refuses_entries_that_would_fail_a_later_gather():
         (UserHistory([k, k[:2]], [v, v], last), ValueError, r"entry.k\[1\]: expected 3 rows .*got 2"),
         (UserHistory([k, k], [v, v[:, :1]], last), ValueError, r"entry.v\[1\]: expected \(rows, 2, 5\) torch.float32"),
         (UserHistory([k, k.double()], [v, v], last), ValueError, r"entry.k\[1\]: expected \(rows, 2, 4\) torch.flo"),
-        (UserHistory([k, k[0]], [v, v], last), ValueError, r"entry.k\[1\]: expected a \(rows, heads, dim\) tensor, "
-                                                           r"got shape \(2, 4\)"),
+        (
+            UserHistory([k, k[0]], [v, v], last),
+            ValueError,
+            r"entry.k\[1\]: expected a \(rows, heads, dim\) tensor, "
+            r"got shape \(2, 4\)",
+        ),
         (UserHistory([k, k], [v, v], None), ValueError, r"entry.last: expected the stack's output"),
         (UserHistory([k, k], [v, v], last[None]), ValueError, r"entry.last: expected a \(D,\) tensor, got shape"),
         ((k, v), TypeError, r"entry: expected a flexhstu.serving.UserHistory, got tuple"),
@@ -352,8 +392,10 @@ def test_a_stack_that_does_not_fit_the_cache_is_refused_not_run_on_fewer_layers(
     four_heads = STUStack(STULayerConfig(**{**cfg, "num_heads": 4}), 2).eval()
     with pytest.raises(ValueError, match=r"history.k\[0\]: expected \(rows, 4, 8\) torch.float32 .*got \(4, 2, 8\)"):
         serving.extend(four_heads, cache, ["a"], torch.randn(2, 16), offsets_from([2]))
-    with pytest.raises(ValueError, match=r"torch.autocast: expected off for cached serving"), \
-            torch.autocast("cpu", dtype=torch.bfloat16):
+    with (
+        pytest.raises(ValueError, match=r"torch.autocast: expected off for cached serving"),
+        torch.autocast("cpu", dtype=torch.bfloat16),
+    ):
         serving.extend(two, cache, ["a"], torch.randn(2, 16), offsets_from([2]))
     assert cache.length("a") == 4
     # The only cached user may be replaced by a cache of another dtype (a new model); with others it may not.

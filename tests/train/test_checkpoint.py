@@ -18,8 +18,25 @@ from children import run_child, shown
 
 from flexhstu import checkpoint, train
 
-TINY = ["--data", "synthetic", "--dim", "16", "--layers", "1", "--heads", "2", "--max-len", "20", "--batch-size", "64",
-        "--negatives", "32", "--quiet", "--device", "cpu"]
+TINY = [
+    "--data",
+    "synthetic",
+    "--dim",
+    "16",
+    "--layers",
+    "1",
+    "--heads",
+    "2",
+    "--max-len",
+    "20",
+    "--batch-size",
+    "64",
+    "--negatives",
+    "32",
+    "--quiet",
+    "--device",
+    "cpu",
+]
 
 # Re-saves the run's checkpoint with a large payload tagged by a version number, forever.
 SAVER = """
@@ -75,15 +92,19 @@ def _write_truncated(p):
     p.write_bytes(p.read_bytes()[:3000])
 
 
-@pytest.mark.parametrize("make", [
-    lambda p: p.write_bytes(b""),
-    _write_truncated,
-    lambda p: p.write_bytes(b"not a checkpoint at all"),
-    lambda p: p.write_bytes(pickle.dumps({"epoch": 1}, protocol=2)),  # torch.load's protocol: no warning
-    lambda p: torch.save({"epoch": 1}, p),
-    # A CSV of events: the weights-only unpickler fails with IndexError (user trial: a traceback).
-    lambda p: p.write_text("uid,iid,ts,r\n" + "".join(f"u0,i{i % 40},{1000 + i},{i % 5 + 1}\n" for i in range(50))),
-], ids=["empty", "truncated", "garbage", "foreign-pickle", "foreign-torch", "csv"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda p: p.write_bytes(b""),
+        _write_truncated,
+        lambda p: p.write_bytes(b"not a checkpoint at all"),
+        lambda p: p.write_bytes(pickle.dumps({"epoch": 1}, protocol=2)),  # torch.load's protocol: no warning
+        lambda p: torch.save({"epoch": 1}, p),
+        # A CSV of events: the weights-only unpickler fails with IndexError (user trial: a traceback).
+        lambda p: p.write_text("uid,iid,ts,r\n" + "".join(f"u0,i{i % 40},{1000 + i},{i % 5 + 1}\n" for i in range(50))),
+    ],
+    ids=["empty", "truncated", "garbage", "foreign-pickle", "foreign-torch", "csv"],
+)
 def test_incomplete_or_foreign_checkpoints_get_one_clear_error(tmp_path, make):
     path = tmp_path / "checkpoint.pt"
     make(path)
@@ -139,19 +160,22 @@ def test_a_checkpoint_that_outgrows_the_file_size_limit_is_one_line_and_the_prev
     def small_files():
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    done = run_child([sys.executable, "-m", "flexhstu.train", *TINY, *SHORT, "--resume", "--out", str(out)],
-                     preexec_fn=small_files)
+    done = run_child(
+        [sys.executable, "-m", "flexhstu.train", *TINY, *SHORT, "--resume", "--out", str(out)], preexec_fn=small_files
+    )
     assert done.returncode == 1, shown(done)
     assert done.stderr.strip().splitlines() == [
         f"flexhstu train: error: could not write {out}/checkpoint.pt: File too large (EFBIG); the previous "
-        "checkpoint.pt, if any, is kept whole"], shown(done)
+        "checkpoint.pt, if any, is kept whole"
+    ], shown(done)
     assert _run_files(out) == before  # the checkpoint of epoch 1 is intact, and no temporary file is left
     assert checkpoint.load(out / "checkpoint.pt")["epoch"] == 1
 
 
 @pytest.mark.parametrize("name", ["metrics.json", "metrics.png"])
-def test_run_outputs_that_cannot_be_written_are_one_line_and_the_previous_ones_stay(tmp_path, monkeypatch, capsys,
-                                                                                     name):
+def test_run_outputs_that_cannot_be_written_are_one_line_and_the_previous_ones_stay(
+    tmp_path, monkeypatch, capsys, name
+):
     out = tmp_path / "run"
     train.main(TINY + SHORT + ["--stop-after", "1", "--out", str(out)])
     before = _run_files(out)
@@ -179,7 +203,9 @@ def test_run_outputs_that_cannot_be_written_are_one_line_and_the_previous_ones_s
     capsys.readouterr()
     assert train.cli(TINY + SHORT + ["--resume", "--stop-after", "1", "--out", str(out)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"flexhstu train: error: could not write {out}/{name}: No space left on device (ENOSPC); the "
-                   f"previous {name}, if any, is kept whole"], err
+    assert err == [
+        f"flexhstu train: error: could not write {out}/{name}: No space left on device (ENOSPC); the "
+        f"previous {name}, if any, is kept whole"
+    ], err
     after = _run_files(out)
     assert after[name] == before[name] and sorted(after) == sorted(before)  # no temporary file is left

@@ -24,8 +24,27 @@ from flexhstu.data import synthetic
 from flexhstu.data.synthetic_source import SyntheticSource
 from flexhstu.models import build_model
 
-TINY = ["--data", "synthetic", "--dim", "16", "--layers", "1", "--heads", "2", "--max-len", "20", "--batch-size", "64",
-        "--negatives", "32", "--quiet", "--device", "cpu", "--dropout", "0"]
+TINY = [
+    "--data",
+    "synthetic",
+    "--dim",
+    "16",
+    "--layers",
+    "1",
+    "--heads",
+    "2",
+    "--max-len",
+    "20",
+    "--batch-size",
+    "64",
+    "--negatives",
+    "32",
+    "--quiet",
+    "--device",
+    "cpu",
+    "--dropout",
+    "0",
+]
 HERE = Path(__file__).resolve().parent
 
 
@@ -48,13 +67,14 @@ def test_table_rows_depend_only_on_the_seed_and_the_row():
     whole = distributed.init_rows(torch.empty(3 * distributed.INIT_BLOCK_ROWS + 5, 4), 0, seed=3, std=0.5)
     for start, n in [(0, 10), (distributed.INIT_BLOCK_ROWS - 3, 7), (2 * distributed.INIT_BLOCK_ROWS + 1, 100)]:
         part = distributed.init_rows(torch.empty(n, 4), start, seed=3, std=0.5)
-        assert torch.equal(part, whole[start:start + n])
+        assert torch.equal(part, whole[start : start + n])
     other = distributed.init_rows(torch.empty(10, 4), 0, seed=4, std=0.5)
     assert not torch.equal(other, whole[:10]) and abs(float(whole.std()) - 0.5) < 0.01
     # torch.chunk sizes, as DTensor's and FSDP2's Shard(0)
     assert [distributed.shard_range(11, 2, r) for r in (0, 1)] == [(0, 6), (6, 11)]
-    assert [len(c) for c in torch.arange(11).chunk(3)] == [b - a for a, b in
-                                                         (distributed.shard_range(11, 3, r) for r in range(3))]
+    assert [len(c) for c in torch.arange(11).chunk(3)] == [
+        b - a for a, b in (distributed.shard_range(11, 3, r) for r in range(3))
+    ]
 
 
 @pytest.fixture
@@ -91,8 +111,7 @@ def test_sharded_ranks_rank_non_finite_target_scores_last_as_target_rank_does(on
     model.eval()
     users = [0, 1, 2]
     items = [d.train_items[u] for u in users]
-    batch = make_batch(items, [d.seqs.times[u][:len(items[i])] for i, u in enumerate(users)], 20,
-                       with_targets=False)
+    batch = make_batch(items, [d.seqs.times[u][: len(items[i])] for i, u in enumerate(users)], 20, with_targets=False)
     targets = [int(d.valid[u]) for u in users]
     with torch.no_grad():
         model.encoder.items.weight[targets[0]] = math.nan  # one target's score is NaN
@@ -109,13 +128,17 @@ def test_table_memory_counts_the_table_its_gradient_and_adams_moments():
     assert distributed.table_bytes(rows, dim, "rowwise", 2) == 4 * (rows // 2 + 1) * dim * 4
     assert distributed.table_bytes(rows, dim, "fsdp", 2) == 4 * (rows // 2 + 1) * dim * 4 + 2 * rows * dim * 4
     distributed.check_table_memory(rows, dim, "rowwise", 2, int(150e9), "cuda:0")  # 102.4 GB fits an H200
-    with pytest.raises(ValueError, match=r"needs 204\.8 GB per rank on 1 rank, got 150\.0 GB free on cuda:0; shard it "
-                                         r"with --shard-embeddings rowwise over 2 or more ranks"):
+    with pytest.raises(
+        ValueError,
+        match=r"needs 204\.8 GB per rank on 1 rank, got 150\.0 GB free on cuda:0; shard it "
+        r"with --shard-embeddings rowwise over 2 or more ranks",
+    ):
         distributed.check_table_memory(rows, dim, "none", 1, int(150e9), "cuda:0")
 
 
 def test_a_table_that_cannot_fit_is_refused_in_one_line_before_anything_is_allocated(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(distributed, "free_bytes", lambda device: int(150e9))  # an empty H200
+
     def never(*args, **kwargs):
         raise AssertionError("the table was built")
 
@@ -123,15 +146,19 @@ def test_a_table_that_cannot_fit_is_refused_in_one_line_before_anything_is_alloc
     argv = [*TINY, "--synthetic-items", "100000000", "--dim", "128", "--out", str(tmp_path / "run")]
     assert train.cli(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["flexhstu train: error: --shard-embeddings none: expected an item table that fits: 100,000,001 x "
-                   "128 float32 with its gradient and AdamW's two moments needs 204.8 GB per rank on 1 rank, got "
-                   "150.0 GB free on cpu; shard it with --shard-embeddings rowwise over 2 or more ranks with this "
-                   "much memory"], err
+    assert err == [
+        "flexhstu train: error: --shard-embeddings none: expected an item table that fits: 100,000,001 x "
+        "128 float32 with its gradient and AdamW's two moments needs 204.8 GB per rank on 1 rank, got "
+        "150.0 GB free on cpu; shard it with --shard-embeddings rowwise over 2 or more ranks with this "
+        "much memory"
+    ], err
 
 
 def test_tokens_per_second_are_written_and_printed(tmp_path, capsys):
-    r = train.main([t for t in TINY if t != "--quiet"] + ["--epochs", "1", "--steps-per-epoch", "4", "--eval-users",
-                                                         "50", "--out", str(tmp_path)])
+    r = train.main(
+        [t for t in TINY if t != "--quiet"]
+        + ["--epochs", "1", "--steps-per-epoch", "4", "--eval-users", "50", "--out", str(tmp_path)]
+    )
     t = json.loads((tmp_path / "metrics.json").read_text())["throughput"]
     assert t == r["throughput"] and t["ranks"] == 1 and t["steps"] == 4 and t["after_warmup"]["steps"] == 1
     assert t["tokens"] > 0 and t["tokens_per_s"] == pytest.approx(t["tokens"] / t["seconds"])
@@ -154,20 +181,33 @@ def test_sharded_and_unsharded_runs_train_the_same_parameters_and_resume_on_any_
     """Two gloo ranks: the whole table (DDP), rowwise and fsdp; a rowwise run stopped after an epoch, resumed on two
     ranks and (below) on one. Every run must end with the parameters of one uninterrupted process."""
     runs = {m: tmp_path / m for m in ("none", "rowwise", "fsdp", "resumed2", "resumed1")}
-    steps = [{"argv": [*TINY, "--epochs", "2", "--shard-embeddings", m, "--out", str(runs[m])]}
-             for m in ("none", "rowwise", "fsdp")]
+    steps = [
+        {"argv": [*TINY, "--epochs", "2", "--shard-embeddings", m, "--out", str(runs[m])]}
+        for m in ("none", "rowwise", "fsdp")
+    ]
     stopped = [*TINY, "--epochs", "2", "--shard-embeddings", "rowwise"]
-    steps += [{"argv": stopped + ["--stop-after", "1", "--out", str(runs["resumed2"])]},
-              {"copy": [str(runs["resumed2"]), str(runs["resumed1"])]},
-              {"argv": stopped + ["--resume", "--out", str(runs["resumed2"])]}]
+    steps += [
+        {"argv": stopped + ["--stop-after", "1", "--out", str(runs["resumed2"])]},
+        {"copy": [str(runs["resumed2"]), str(runs["resumed1"])]},
+        {"argv": stopped + ["--resume", "--out", str(runs["resumed2"])]},
+    ]
     (tmp_path / "steps.json").write_text(json.dumps(steps))
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(HERE / "dist_runs.py"), str(tmp_path / "steps.json")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(HERE / "dist_runs.py"),
+        str(tmp_path / "steps.json"),
+    ]
     check_child(cmd, env=env)
     state = checkpoint.load(runs["rowwise"] / "checkpoint.pt")  # only the folders it names are kept
-    assert sorted(p.name for p in (runs["rowwise"] / "sharded").iterdir()) == \
-        sorted({Path(state["sharded"]).name, Path(state["best"]["dir"]).name})
+    assert sorted(p.name for p in (runs["rowwise"] / "sharded").iterdir()) == sorted(
+        {Path(state["sharded"]).name, Path(state["best"]["dir"]).name}
+    )
     train.main(stopped + ["--resume", "--out", str(runs["resumed1"])])  # one rank reads the two ranks' shards
     one = train.main([*TINY, "--epochs", "2", "--out", str(tmp_path / "one")])
 
@@ -176,8 +216,9 @@ def test_sharded_and_unsharded_runs_train_the_same_parameters_and_resume_on_any_
         got = _weights(run)
         assert got.keys() == want.keys(), name
         for k in want:
-            torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5,
-                                       msg=lambda m, n=name, k=k: f"{n} {k}: {m}")
+            torch.testing.assert_close(
+                got[k], want[k], rtol=1e-4, atol=1e-5, msg=lambda m, n=name, k=k: f"{n} {k}: {m}"
+            )
         result = json.loads((run / "metrics.json").read_text())
         assert [h["loss"] for h in result["history"]] == pytest.approx([h["loss"] for h in one["history"]], rel=1e-5)
         for metric, value in one["test"].items():  # a near-tie may fall the other way: one user of 300
@@ -220,8 +261,9 @@ def test_a_sharded_checkpoint_killed_mid_save_leaves_a_complete_one(tmp_path):
     table = model.encoder.items.weight
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
     for _ in range(2):  # each start costs seconds (imports); a save takes tens of milliseconds
-        proc = subprocess.Popen([sys.executable, "-c", SAVER, str(tmp_path)], stdout=subprocess.PIPE, text=True,
-                                env=env)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", SAVER, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env
+        )
         proc.stdout.readline()  # one commit done: the next ones replace a complete checkpoint
         time.sleep(rng.uniform(0.0, 0.3))
         proc.send_signal(signal.SIGKILL)
@@ -254,14 +296,30 @@ def test_a_folder_refused_on_rank_0_stops_every_rank(tmp_path):
     out.mkdir()
     train.lock_run(out)
     try:  # a rank left waiting would hold the launch until gloo's 30-minute timeout: run_child's ends it first
-        done = run_child([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          "-m", "flexhstu.train", *TINY, "--epochs", "1", "--out", str(out)],
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+        done = run_child(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                "-m",
+                "flexhstu.train",
+                *TINY,
+                "--epochs",
+                "1",
+                "--out",
+                str(out),
+            ],
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
     finally:
         train.unlock_run(out)
     assert done.returncode != 0, shown(done)
-    assert done.stderr.count("flexhstu train: error: --out: expected a folder no other flexhstu train is "
-                             "writing") == 2, shown(done)  # each rank says it in one line
+    assert (
+        done.stderr.count("flexhstu train: error: --out: expected a folder no other flexhstu train is writing") == 2
+    ), shown(done)  # each rank says it in one line
 
 
 def test_a_child_that_fails_or_hangs_is_shown_with_its_output():
@@ -270,7 +328,11 @@ def test_a_child_that_fails_or_hangs_is_shown_with_its_output():
     with pytest.raises(AssertionError) as e:
         check_child(fails)
     assert "exit status 1" in str(e.value) and "rank said this" in str(e.value) and "and this on stderr" in str(e.value)
-    hangs = [sys.executable, "-c", "import subprocess, sys, time; print('started', flush=True); "
-             "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); time.sleep(600)"]
+    hangs = [
+        sys.executable,
+        "-c",
+        "import subprocess, sys, time; print('started', flush=True); "
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); time.sleep(600)",
+    ]
     with pytest.raises(pytest.fail.Exception, match=r"ran past 5 s and was killed(.|\n)*started"):
         run_child(hangs, timeout=5)

@@ -8,22 +8,42 @@ from flexhstu import checkpoint, run_settings, train
 from flexhstu.cli.common import UserError
 from flexhstu.data import synthetic
 
-TINY = ["--data", "synthetic", "--dim", "16", "--layers", "1", "--heads", "2", "--max-len", "20", "--batch-size", "64",
-        "--negatives", "32", "--quiet", "--device", "cpu"]
+TINY = [
+    "--data",
+    "synthetic",
+    "--dim",
+    "16",
+    "--layers",
+    "1",
+    "--heads",
+    "2",
+    "--max-len",
+    "20",
+    "--batch-size",
+    "64",
+    "--negatives",
+    "32",
+    "--quiet",
+    "--device",
+    "cpu",
+]
 
 
-@pytest.mark.parametrize("argv,fragment", [
-    (["--batch-size", "0"], "argument --batch-size: expected an integer >= 1, got 0"),
-    (["--max-len", "0"], "argument --max-len: expected an integer >= 1, got 0"),
-    (["--epochs", "0"], "argument --epochs: expected an integer >= 1, got 0"),
-    (["--negatives", "0"], "argument --negatives: expected an integer >= 1, got 0"),
-    (["--dim", "-8"], "argument --dim: expected an integer >= 1, got -8"),
-    (["--seed", "-1"], "argument --seed: expected an integer >= 0, got -1"),
-    (["--stop-after", "-1"], "argument --stop-after: expected an integer >= 0, got -1"),
-    (["--dropout", "1"], "argument --dropout: expected a probability in [0, 1), got 1.0"),
-    (["--lr", "0"], "argument --lr: expected a finite number > 0, got 0.0"),
-    (["--dim", "64", "--heads", "3"], "--heads: expected a divisor of --dim 64, got 3"),
-])
+@pytest.mark.parametrize(
+    "argv,fragment",
+    [
+        (["--batch-size", "0"], "argument --batch-size: expected an integer >= 1, got 0"),
+        (["--max-len", "0"], "argument --max-len: expected an integer >= 1, got 0"),
+        (["--epochs", "0"], "argument --epochs: expected an integer >= 1, got 0"),
+        (["--negatives", "0"], "argument --negatives: expected an integer >= 1, got 0"),
+        (["--dim", "-8"], "argument --dim: expected an integer >= 1, got -8"),
+        (["--seed", "-1"], "argument --seed: expected an integer >= 0, got -1"),
+        (["--stop-after", "-1"], "argument --stop-after: expected an integer >= 0, got -1"),
+        (["--dropout", "1"], "argument --dropout: expected a probability in [0, 1), got 1.0"),
+        (["--lr", "0"], "argument --lr: expected a finite number > 0, got 0.0"),
+        (["--dim", "64", "--heads", "3"], "--heads: expected a divisor of --dim 64, got 3"),
+    ],
+)
 def test_bad_sizes_are_argparse_errors(capsys, argv, fragment):
     with pytest.raises(SystemExit) as e:
         train.parse(argv)
@@ -35,8 +55,9 @@ def test_bad_sizes_are_argparse_errors(capsys, argv, fragment):
 def _ratings(tmp_path, events_per_user: int):
     f = tmp_path / "ratings.dat"
     # Each user's own items: a catalogue larger than the metrics' cut-off 10 (train.check_cutoffs).
-    f.write_text("".join(f"{u}::{u * events_per_user + i}::4::{i}\n" for u in range(5)
-                         for i in range(1, events_per_user + 1)))
+    f.write_text(
+        "".join(f"{u}::{u * events_per_user + i}::4::{i}\n" for u in range(5) for i in range(1, events_per_user + 1))
+    )
     return str(f)
 
 
@@ -51,8 +72,9 @@ def test_ranking_without_an_eligible_user_is_an_error(tmp_path, monkeypatch):
     monkeypatch.setenv("FLEXHSTU_CACHE", str(tmp_path / "cache"))
     data = _ratings(tmp_path, 10)
     with pytest.raises(UserError, match=r"ranking expected a user with 17 or more events"):
-        train.main(["--task", "ranking", "--model", "onerank"] + TINY[2:] + ["--data", data,
-                                                                               "--out", str(tmp_path / "run")])
+        train.main(
+            ["--task", "ranking", "--model", "onerank"] + TINY[2:] + ["--data", data, "--out", str(tmp_path / "run")]
+        )
 
 
 @pytest.mark.parametrize("where", ["file", "below a file"])
@@ -66,8 +88,9 @@ def test_a_data_cache_that_is_not_a_folder_names_flexhstu_cache(tmp_path, monkey
     assert train.cli(TINY[2:] + ["--data", data, "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     why = "a file" if where == "file" else "it cannot be made: Not a directory"
-    assert err == [f"flexhstu train: error: FLEXHSTU_CACHE: expected a folder for the data cache, got '{cache}' "
-                   f"({why})"], err
+    assert err == [
+        f"flexhstu train: error: FLEXHSTU_CACHE: expected a folder for the data cache, got '{cache}' ({why})"
+    ], err
 
 
 @pytest.fixture(scope="module")
@@ -83,12 +106,15 @@ def _copy(src, dst):
     return str(dst)
 
 
-@pytest.mark.parametrize("change,fragment", [
-    (["--dim", "32"], "--dim 16 in the checkpoint, 32 now"),
-    (["--seed", "1"], "--seed 0 in the checkpoint, 1 now"),
-    (["--mask", "sla"], "--mask 'causal' in the checkpoint, 'sla' now"),
-    (["--negatives", "8"], "--negatives 32 in the checkpoint, 8 now"),
-])
+@pytest.mark.parametrize(
+    "change,fragment",
+    [
+        (["--dim", "32"], "--dim 16 in the checkpoint, 32 now"),
+        (["--seed", "1"], "--seed 0 in the checkpoint, 1 now"),
+        (["--mask", "sla"], "--mask 'causal' in the checkpoint, 'sla' now"),
+        (["--negatives", "8"], "--negatives 32 in the checkpoint, 8 now"),
+    ],
+)
 def test_resume_refuses_a_run_that_changes_the_model_or_data(one_epoch, tmp_path, change, fragment):
     out = _copy(one_epoch, tmp_path / "r")
     with pytest.raises(UserError, match=r"--resume: expected the run of .* got a different one") as e:
@@ -110,8 +136,14 @@ def test_a_checkpoint_older_than_a_setting_resumes_with_the_settings_default(tmp
     argv = TINY[2:] + ["--data", _ratings(tmp_path, 6), "--epochs", "2", "--out", str(tmp_path / "r")]
     train.main(argv + ["--stop-after", "1"])
     state = checkpoint.load(tmp_path / "r" / "checkpoint.pt")
-    for key in ("synthetic_users", "synthetic_items", "synthetic_len", "steps_per_epoch", "eval_users",
-                "shard_embeddings"):
+    for key in (
+        "synthetic_users",
+        "synthetic_items",
+        "synthetic_len",
+        "steps_per_epoch",
+        "eval_users",
+        "shard_embeddings",
+    ):
         del state["config"][key]  # as written before these settings existed
     checkpoint.save(state, tmp_path / "r" / "checkpoint.pt")
     assert [h["epoch"] for h in train.main(argv + ["--resume"])["history"]] == [1, 2]
@@ -127,8 +159,9 @@ def test_a_setting_added_later_reads_in_an_older_checkpoint_as_the_options_defau
     assert {k: parser.get_default(k) for k in later} == run_settings.BEFORE_ADDED
 
 
-def test_a_checkpoint_whose_configuration_lacks_a_key_is_named_alike_by_resume_and_recommend(one_epoch, tmp_path,
-                                                                                              capsys):
+def test_a_checkpoint_whose_configuration_lacks_a_key_is_named_alike_by_resume_and_recommend(
+    one_epoch, tmp_path, capsys
+):
     # User trial: recommend said "its configuration lacks 'Namespace' object has no attribute 'dim'" while
     # train --resume accepted the same file without a word.
     from flexhstu.cli.main import main
@@ -186,26 +219,55 @@ def _events_csv(tmp_path):
 
 
 def test_a_csv_of_string_ids_trains_through_a_column_mapping(tmp_path):
-    r = train.main(["--model", "popularity", "--data", _events_csv(tmp_path), "--columns",
-                    "user=who,item=what,time=when", "--out", str(tmp_path / "run"), "--quiet", "--device", "cpu"])
+    r = train.main(
+        [
+            "--model",
+            "popularity",
+            "--data",
+            _events_csv(tmp_path),
+            "--columns",
+            "user=who,item=what,time=when",
+            "--out",
+            str(tmp_path / "run"),
+            "--quiet",
+            "--device",
+            "cpu",
+        ]
+    )
     assert 0.0 <= r["test"]["HR@10"] <= 1.0 and r["args"]["columns"] == {"user": "who", "item": "what", "time": "when"}
 
 
 def test_a_missing_mapped_column_is_one_line_naming_the_file(tmp_path, capsys):
     data = _events_csv(tmp_path)
-    status = train.cli(["--model", "popularity", "--data", data, "--columns", "user=who,item=film,time=when",
-                        "--out", str(tmp_path / "run"), "--quiet", "--device", "cpu"])
+    status = train.cli(
+        [
+            "--model",
+            "popularity",
+            "--data",
+            data,
+            "--columns",
+            "user=who,item=film,time=when",
+            "--out",
+            str(tmp_path / "run"),
+            "--quiet",
+            "--device",
+            "cpu",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
-    assert status == 2 and err == [f"flexhstu train: error: {data}: expected column 'film' (--columns item=film), "
-                                   "missing (found ['when', 'who', 'what'])"], err
+    assert status == 2 and err == [
+        f"flexhstu train: error: {data}: expected column 'film' (--columns item=film), "
+        "missing (found ['when', 'who', 'what'])"
+    ], err
 
 
 def test_a_bad_column_mapping_is_an_argparse_error(capsys):
     with pytest.raises(SystemExit) as e:
         train.parse(["--columns", "user=who,item=what"])
     assert e.value.code == 2
-    assert capsys.readouterr().err.strip() == ("flexhstu train: error: argument --columns: expected user, item and "
-                                               "time (rating is optional), missing time")
+    assert capsys.readouterr().err.strip() == (
+        "flexhstu train: error: argument --columns: expected user, item and time (rating is optional), missing time"
+    )
 
 
 def test_a_relative_data_path_resumes_and_recommends_from_another_directory(tmp_path, monkeypatch):
@@ -222,8 +284,9 @@ def test_a_relative_data_path_resumes_and_recommends_from_another_directory(tmp_
     monkeypatch.chdir(tmp_path / "b")
     # Same name and size here, other users: read instead, user "0" would be unknown.
     (tmp_path / "b" / "ratings.dat").write_text((tmp_path / "a" / "ratings.dat").read_text().replace("\n", "\n1")[:-1])
-    history = train.main(TINY[2:] + ["--data", "../a/ratings.dat", "--epochs", "2", "--resume",
-                                     "--out", str(tmp_path / "r")])["history"]
+    history = train.main(
+        TINY[2:] + ["--data", "../a/ratings.dat", "--epochs", "2", "--resume", "--out", str(tmp_path / "r")]
+    )["history"]
     assert [h["epoch"] for h in history] == [1, 2]
     rec = Recommender.from_checkpoint(tmp_path / "r" / "checkpoint.pt")
     assert len(rec.recommend(["0"], k=3)[0].items) == 3
@@ -253,8 +316,9 @@ def test_a_moved_project_resumes_on_its_data_file_there(tmp_path, monkeypatch):
     with pytest.raises(UserError, match=r"--data '.*/p1/ratings.dat' in the checkpoint, '.*/p2/other.dat' now"):
         train.main(TINY[2:] + ["--data", "other.dat", "--epochs", "2", "--resume", "--out", "runs/r"])
     assert [h["epoch"] for h in train.main(argv + ["--resume"])["history"]] == [1, 2]
-    assert checkpoint.load(tmp_path / "p2" / "runs" / "r" / "checkpoint.pt")["config"]["data"] == \
-        str(tmp_path / "p2" / "ratings.dat")
+    assert checkpoint.load(tmp_path / "p2" / "runs" / "r" / "checkpoint.pt")["config"]["data"] == str(
+        tmp_path / "p2" / "ratings.dat"
+    )
 
 
 def test_same_sized_data_with_other_contents_is_refused_on_resume_and_recommend(tmp_path, monkeypatch):
@@ -266,11 +330,17 @@ def test_same_sized_data_with_other_contents_is_refused_on_resume_and_recommend(
     lines = (tmp_path / "p2" / "ratings.dat").read_text().splitlines(True)
     relabelled = "".join(f"{4 - int(u)}::{rest}" for u, _, rest in (line.partition("::") for line in lines))
     (tmp_path / "p2" / "ratings.dat").write_text(relabelled)
-    with pytest.raises(UserError, match=r"--resume: expected the run of .*: --data .*/p2/ratings.dat: other contents "
-                                        r"than the run's data \(same size"):
+    with pytest.raises(
+        UserError,
+        match=r"--resume: expected the run of .*: --data .*/p2/ratings.dat: other contents "
+        r"than the run's data \(same size",
+    ):
         train.main(argv + ["--resume"])
-    with pytest.raises(ValueError, match=r"--data ratings.dat: expected the run's data, got other contents of the "
-                                         "same size"):
+    with pytest.raises(
+        ValueError,
+        match=r"--data ratings.dat: expected the run's data, got other contents of the "
+        "same size",
+    ):
         Recommender.from_checkpoint(tmp_path / "p2" / "runs" / "r" / "checkpoint.pt", data="ratings.dat")
     assert Recommender.from_checkpoint(tmp_path / "p1" / "runs" / "r" / "checkpoint.pt").recommend(["0"], k=2)
 
@@ -297,6 +367,9 @@ def test_a_run_trained_on_duplicate_events_is_told_why_it_no_longer_resumes(tmp_
     state["config"].update(data_rows=len(lines) + 2, data_digest=None)
     ckpt = tmp_path / "r" / "checkpoint.pt"
     checkpoint.save({k: v for k, v in state.items() if k not in ("format", "version")}, ckpt)
-    with pytest.raises(UserError, match=rf"events in the data: {len(lines) + 2} in the checkpoint, {len(lines)} now; "
-                                        "the data file holds 2 duplicate events, which this flexhstu drops"):
+    with pytest.raises(
+        UserError,
+        match=rf"events in the data: {len(lines) + 2} in the checkpoint, {len(lines)} now; "
+        "the data file holds 2 duplicate events, which this flexhstu drops",
+    ):
         train.main(argv + ["--resume"])

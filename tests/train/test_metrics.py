@@ -102,22 +102,44 @@ def test_gauc_weights_each_groups_auc_by_its_impressions_and_skips_one_class_gro
 def test_ranks_give_hit_rate_ndcg_and_mrr_at_every_asked_cut_off():
     ranks = [0, 30, 120, 400]
     got = ranks_to_metrics(ranks, ["hr@10", "ndcg@50", "hr@200", "mrr"])
-    assert got == {"HR@10": 0.25, "NDCG@50": pytest.approx((1 + 1 / math.log2(32)) / 4), "HR@200": 0.75,
-                   "MRR": pytest.approx((1 + 1 / 31 + 1 / 121 + 1 / 401) / 4)}
+    assert got == {
+        "HR@10": 0.25,
+        "NDCG@50": pytest.approx((1 + 1 / math.log2(32)) / 4),
+        "HR@200": 0.75,
+        "MRR": pytest.approx((1 + 1 / 31 + 1 / 121 + 1 / 401) / 4),
+    }
 
 
 def test_metrics_names_keep_the_defaults_first_and_refuse_unknown_ones():
     assert parse_metrics("hr@50, NDCG@200,mrr,hr@10", "retrieval") == ["hr@10", "ndcg@10", "hr@50", "ndcg@200", "mrr"]
     assert parse_metrics(None, "ranking") == ["auc", "ndcg@10"]
     assert parse_metrics("gauc", "ranking") == ["auc", "ndcg@10", "gauc"]
-    for bad, task in (("hr@0", "retrieval"), ("recall@5", "retrieval"), ("gauc", "retrieval"), ("mrr", "ranking"),
-                      ("hr@x", "retrieval")):
+    for bad, task in (
+        ("hr@0", "retrieval"),
+        ("recall@5", "retrieval"),
+        ("gauc", "retrieval"),
+        ("mrr", "ranking"),
+        ("hr@x", "retrieval"),
+    ):
         with pytest.raises(ValueError, match="--metrics: expected names from"):
             parse_metrics(bad, task)
 
 
 def test_a_run_reports_the_asked_metrics_beside_the_default_keys(tmp_path):
-    result = train.main(["--model", "popularity", "--data", "synthetic", "--metrics", "hr@50,ndcg@100,mrr",
-                         "--out", str(tmp_path), "--quiet", "--device", "cpu"])
+    result = train.main(
+        [
+            "--model",
+            "popularity",
+            "--data",
+            "synthetic",
+            "--metrics",
+            "hr@50,ndcg@100,mrr",
+            "--out",
+            str(tmp_path),
+            "--quiet",
+            "--device",
+            "cpu",
+        ]
+    )
     assert list(result["test"]) == ["HR@10", "NDCG@10", "HR@50", "NDCG@100", "MRR"]
     assert result["test"]["HR@10"] <= result["test"]["HR@50"]

@@ -15,8 +15,25 @@ from flexhstu.data.sequences import user_sequences
 from flexhstu.models import make_batch
 from flexhstu.recommend import Recommender
 
-TINY = ["--dim", "16", "--layers", "1", "--heads", "2", "--max-len", "20", "--batch-size", "64", "--negatives", "32",
-        "--quiet", "--device", "cpu", "--epochs", "1"]
+TINY = [
+    "--dim",
+    "16",
+    "--layers",
+    "1",
+    "--heads",
+    "2",
+    "--max-len",
+    "20",
+    "--batch-size",
+    "64",
+    "--negatives",
+    "32",
+    "--quiet",
+    "--device",
+    "cpu",
+    "--epochs",
+    "1",
+]
 COLUMNS = {"user": "who", "item": "what", "time": "when", "rating": "stars"}
 
 
@@ -28,8 +45,10 @@ def csv_run(tmp_path_factory):
     rows = (f"{t},u{u},i{i},{r:g}\n" for u, i, t, r in zip(d.user, d.item, d.timestamp, d.rating))
     (root / "events.csv").write_text("when,who,what,stars\n" + "".join(rows))
     data = str(root / "events.csv")
-    train.main(TINY + ["--data", data, "--columns", ",".join(f"{k}={v}" for k, v in COLUMNS.items()),
-                       "--out", str(root / "run")])
+    train.main(
+        TINY
+        + ["--data", data, "--columns", ",".join(f"{k}={v}" for k, v in COLUMNS.items()), "--out", str(root / "run")]
+    )
     return root, data
 
 
@@ -69,11 +88,13 @@ def test_the_command_prints_one_line_per_user_and_names_a_wrong_user(csv_run, ca
     ckpt = str(root / "run" / "checkpoint.pt")
     assert main(["recommend", "--checkpoint", ckpt, "--users", "u1,u2", "--k", "3"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert [line.split(":")[0] for line in lines] == ["user u1", "user u2"] and all(line.count("(") == 3
-                                                                                   for line in lines)
+    assert [line.split(":")[0] for line in lines] == ["user u1", "user u2"] and all(
+        line.count("(") == 3 for line in lines
+    )
     assert main(["recommend", "--checkpoint", ckpt, "--users", "nobody"]) == 2
-    assert capsys.readouterr().err.strip() == ("flexhstu recommend: error: --users: expected users of the run's data "
-                                               "(with 3 or more events), got 'nobody'")
+    assert capsys.readouterr().err.strip() == (
+        "flexhstu recommend: error: --users: expected users of the run's data (with 3 or more events), got 'nobody'"
+    )
     # Audit: an id holding a comma could not be asked for; in double quotes it is one id.
     assert main(["recommend", "--checkpoint", ckpt, "--users", 'u1, "u2,x"']) == 2
     assert capsys.readouterr().err.strip().endswith("got 'u2,x'")
@@ -139,15 +160,17 @@ def test_a_model_whose_scores_are_not_finite_is_refused(csv_run, tmp_path, capsy
     root, _ = csv_run
     state = checkpoint.load(root / "run" / "checkpoint.pt")
     weights = state["best"]["model"] or state["model"]
-    state["best"]["model"] = {k: torch.full_like(v, math.nan) if v.is_floating_point() else v
-                              for k, v in weights.items()}
+    state["best"]["model"] = {
+        k: torch.full_like(v, math.nan) if v.is_floating_point() else v for k, v in weights.items()
+    }
     diverged = tmp_path / "checkpoint.pt"
     checkpoint.save(state, diverged)
     assert main(["recommend", "--checkpoint", str(diverged), "--users", "u1,u2"]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.strip().splitlines() == [
         "flexhstu recommend: error: --checkpoint: expected a model whose scores are finite, got nan scores for user "
-        "u1 (its run diverged: train it again with a lower --lr)"]
+        "u1 (its run diverged: train it again with a lower --lr)"
+    ]
     assert main(["recommend", "--checkpoint", str(diverged), "--users", "u1", "--candidates", "i1,i2"]) == 2
 
 

@@ -10,8 +10,24 @@ import pytest
 from flexhstu import train
 from flexhstu.cli.common import UserError
 
-TINY = ["--data", "synthetic", "--dim", "16", "--layers", "1", "--heads", "2", "--max-len", "20", "--batch-size", "64",
-        "--negatives", "32", "--device", "cpu"]
+TINY = [
+    "--data",
+    "synthetic",
+    "--dim",
+    "16",
+    "--layers",
+    "1",
+    "--heads",
+    "2",
+    "--max-len",
+    "20",
+    "--batch-size",
+    "64",
+    "--negatives",
+    "32",
+    "--device",
+    "cpu",
+]
 
 
 def test_each_run_gets_its_own_folder_and_latest_points_to_the_newest(tmp_path, monkeypatch, capsys):
@@ -33,8 +49,10 @@ def test_resume_without_out_continues_the_latest_run(tmp_path, monkeypatch, caps
     result = train.main(TINY + ["--epochs", "2", "--resume"])
     captured = capsys.readouterr()
     assert f"flexhstu train: resuming at epoch 2 of 2 from {run / 'checkpoint.pt'}" in captured.err
-    assert f"wrote {run}/ (checkpoint.pt, metrics.json, metrics.png); best epoch {result['best_epoch']} of 2" \
+    assert (
+        f"wrote {run}/ (checkpoint.pt, metrics.json, metrics.png); best epoch {result['best_epoch']} of 2"
         in captured.out
+    )
     assert [p.name for p in (tmp_path / "runs").iterdir() if not p.is_symlink()] == [run.name]
 
 
@@ -59,10 +77,14 @@ def test_writing_a_finished_runs_outputs_again_keeps_its_throughput(tmp_path):
 
 def test_a_folder_that_holds_a_run_is_refused_without_resume(tmp_path):
     train.main(["--model", "popularity", "--data", "synthetic", "--device", "cpu", "--quiet", "--out", str(tmp_path)])
-    with pytest.raises(UserError, match=rf"--out: expected a folder without a run, got {tmp_path} holding "
-                                        r"metrics.json \(pass --resume"):
-        train.main(["--model", "popularity", "--data", "synthetic", "--device", "cpu", "--quiet", "--out",
-                    str(tmp_path)])
+    with pytest.raises(
+        UserError,
+        match=rf"--out: expected a folder without a run, got {tmp_path} holding "
+        r"metrics.json \(pass --resume",
+    ):
+        train.main(
+            ["--model", "popularity", "--data", "synthetic", "--device", "cpu", "--quiet", "--out", str(tmp_path)]
+        )
 
 
 def test_resume_without_any_run_is_an_error(tmp_path, monkeypatch):
@@ -81,20 +103,30 @@ def test_a_latest_folder_of_an_older_version_is_not_overwritten(tmp_path, monkey
 def test_the_plot_is_titled_and_puts_a_ranking_metrics_tasks_in_one_panel(tmp_path):
     from PIL import Image
 
-    a = train.parse(["--task", "ranking", "--model", "onerank", "--no-task-tokens", "--data", "/x/events.csv",
-                     "--seed", "3"])
+    a = train.parse(
+        ["--task", "ranking", "--model", "onerank", "--no-task-tokens", "--data", "/x/events.csv", "--seed", "3"]
+    )
     assert train.plot_title(a) == "onerank (targets mask) on events.csv, seed 3"
-    assert train.plot_title(train.parse(["--mask", "sla", "--sla-k1", "8"])) == \
-        "hstu (SLA k1=8 k2=4) on ml-100k, seed 0"
+    assert (
+        train.plot_title(train.parse(["--mask", "sla", "--sla-k1", "8"])) == "hstu (SLA k1=8 k2=4) on ml-100k, seed 0"
+    )
     tasks = ("watched", "rated>=4", "rated5")
-    history = [{"epoch": e, "loss": 1.0 / e, **{f"valid {m} {t}": 0.5 for m in ("AUC", "NDCG@10", "GAUC")
-                                               for t in tasks}, "seconds": 1.0} for e in (1, 2, 3)]
+    history = [
+        {
+            "epoch": e,
+            "loss": 1.0 / e,
+            **{f"valid {m} {t}": 0.5 for m in ("AUC", "NDCG@10", "GAUC") for t in tasks},
+            "seconds": 1.0,
+        }
+        for e in (1, 2, 3)
+    ]
     train.plot(history, tmp_path / "m.png", "title", best_epoch=2)
     assert Image.open(tmp_path / "m.png").size == (1520, 340)  # one row: loss, AUC, NDCG@10, GAUC
 
 
-@pytest.mark.parametrize("argv", [["--data", "no/such/ratings.dat"],
-                                  ["--data", "synthetic", "--columns", "user=a,item=b,time=c"]])
+@pytest.mark.parametrize(
+    "argv", [["--data", "no/such/ratings.dat"], ["--data", "synthetic", "--columns", "user=a,item=b,time=c"]]
+)
 def test_a_data_mistake_leaves_no_run_folder_and_latest_where_it_was(tmp_path, monkeypatch, argv):
     # User trial: the failed run's empty folder took runs/latest, hiding the good run from recommend and --resume.
     monkeypatch.chdir(tmp_path)
@@ -115,9 +147,11 @@ def test_two_runs_in_one_folder_at_once_are_refused(tmp_path, capsys):
     try:
         status = train.cli(TINY + ["--epochs", "1", "--quiet", "--out", str(out)])
         err = capsys.readouterr().err.strip().splitlines()
-        assert status == 2 and err == [f"flexhstu train: error: --out: expected a folder no other flexhstu train is "
-                                       f"writing, got {out} (another process holds its .lock; wait for it to end, or "
-                                       "pass another --out)"], err
+        assert status == 2 and err == [
+            f"flexhstu train: error: --out: expected a folder no other flexhstu train is "
+            f"writing, got {out} (another process holds its .lock; wait for it to end, or "
+            "pass another --out)"
+        ], err
         assert not (out / "metrics.json").exists()
     finally:
         train.unlock_run(out)
@@ -166,8 +200,9 @@ def test_the_plot_is_written_atomically(tmp_path, monkeypatch):
     seen = []
     real = checkpoint.write_atomic
     monkeypatch.setattr(checkpoint, "write_atomic", lambda path, write: (seen.append(path.name), real(path, write)))
-    train.plot([{"epoch": 1, "loss": 1.0, "valid HR@10": 0.1, "valid NDCG@10": 0.05}], tmp_path / "metrics.png",
-               "title", 1)
+    train.plot(
+        [{"epoch": 1, "loss": 1.0, "valid HR@10": 0.1, "valid NDCG@10": 0.05}], tmp_path / "metrics.png", "title", 1
+    )
     assert seen == ["metrics.png"] and (tmp_path / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -185,5 +220,6 @@ def test_a_filesystem_root_or_the_home_folder_is_refused_as_out(tmp_path, monkey
     assert train.cli(TINY + ["--epochs", "1", "--steps-per-epoch", "1", "--out", out]) == 2
     why = "the filesystem root" if where == "root" else "the home folder itself"
     assert capsys.readouterr().err.strip().splitlines() == [
-        f"flexhstu train: error: --out: expected a folder of its own for the run (e.g. runs/NAME), got {out} ({why})"]
+        f"flexhstu train: error: --out: expected a folder of its own for the run (e.g. runs/NAME), got {out} ({why})"
+    ]
     assert list((tmp_path / "home").iterdir()) == []

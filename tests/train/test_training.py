@@ -17,8 +17,25 @@ from flexhstu import train
 from flexhstu.data import load, synthetic
 from flexhstu.data.sequences import leave_one_out
 
-TINY = ["--data", "synthetic", "--dim", "16", "--layers", "1", "--heads", "2", "--max-len", "20", "--batch-size", "64",
-        "--negatives", "32", "--quiet", "--device", "cpu"]
+TINY = [
+    "--data",
+    "synthetic",
+    "--dim",
+    "16",
+    "--layers",
+    "1",
+    "--heads",
+    "2",
+    "--max-len",
+    "20",
+    "--batch-size",
+    "64",
+    "--negatives",
+    "32",
+    "--quiet",
+    "--device",
+    "cpu",
+]
 
 
 def test_ratings_files_are_read_and_cached(tmp_path):
@@ -32,12 +49,15 @@ def test_ratings_files_are_read_and_cached(tmp_path):
     assert load(str(csv), cache_dir=tmp_path / "cache").rating.tolist() == [4.5]
 
 
-@pytest.mark.parametrize("content,msg", [
-    ("", "expected interactions, got an empty file"),
-    ("userId,movieId,timestamp\n1,2,3\n", r"missing \['rating'\]"),
-    ("userId,movieId,rating,timestamp\n1,x,4,5\n", "line 2, column 'item': expected an integer, got 'x'"),
-    ("userId,movieId,rating,timestamp\n", "expected interactions after the header"),
-])
+@pytest.mark.parametrize(
+    "content,msg",
+    [
+        ("", "expected interactions, got an empty file"),
+        ("userId,movieId,timestamp\n1,2,3\n", r"missing \['rating'\]"),
+        ("userId,movieId,rating,timestamp\n1,x,4,5\n", "line 2, column 'item': expected an integer, got 'x'"),
+        ("userId,movieId,rating,timestamp\n", "expected interactions after the header"),
+    ],
+)
 def test_bad_data_files_get_clear_errors(tmp_path, content, msg):
     f = tmp_path / "ratings.csv"
     f.write_text(content)
@@ -100,9 +120,12 @@ def test_a_diverging_run_stops_at_the_first_non_finite_loss_and_keeps_its_last_c
     assert train.cli(TINY + SHORT + ["--resume", "--lr", "1e9", "--out", str(out)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
-    assert re.fullmatch(r"flexhstu train: error: the loss became nan at epoch 2 step [23] of 3 with --lr 1e\+09: "
-                        r"training diverged and stopped; .*checkpoint\.pt keeps epoch 1, the last finite one "
-                        r"\(--resume with a lower --lr continues from it\)", err[0]), err
+    assert re.fullmatch(
+        r"flexhstu train: error: the loss became nan at epoch 2 step [23] of 3 with --lr 1e\+09: "
+        r"training diverged and stopped; .*checkpoint\.pt keeps epoch 1, the last finite one "
+        r"\(--resume with a lower --lr continues from it\)",
+        err[0],
+    ), err
     assert {f: (out / f).read_bytes() for f in before} == before  # nothing of the diverged epoch is written
     assert sorted(p.name for p in out.iterdir()) == [".lock", *sorted(before)]
 
@@ -112,9 +135,12 @@ def test_a_run_that_diverges_in_its_first_epoch_writes_nothing(tmp_path, capsys,
     argv = ["--task", task, "--model", "onerank"] if task == "ranking" else []
     assert train.cli(TINY + SHORT + argv + ["--lr", "1e9", "--out", str(tmp_path)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and re.fullmatch(r"flexhstu train: error: the loss became nan at epoch 1 step \d of 3 with "
-                                          r"--lr 1e\+09: training diverged and stopped; no checkpoint was written "
-                                          r"\(no epoch finished with finite weights\)", err[0]), err
+    assert len(err) == 1 and re.fullmatch(
+        r"flexhstu train: error: the loss became nan at epoch 1 step \d of 3 with "
+        r"--lr 1e\+09: training diverged and stopped; no checkpoint was written "
+        r"\(no epoch finished with finite weights\)",
+        err[0],
+    ), err
     assert [p.name for p in tmp_path.iterdir()] == [".lock"]
 
 
@@ -130,17 +156,32 @@ def test_weights_made_non_finite_by_an_epochs_last_update_are_never_saved(tmp_pa
     monkeypatch.setattr(torch.optim.AdamW, "step", poisoning_step)
     assert train.cli(TINY + SHORT + ["--steps-per-epoch", "1", "--out", str(tmp_path)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["flexhstu train: error: the weights became non-finite in the update at epoch 1 step 1 of 1 with "
-                   "--lr 0.003: training diverged and stopped; no checkpoint was written (no epoch finished with "
-                   "finite weights)"], err
+    assert err == [
+        "flexhstu train: error: the weights became non-finite in the update at epoch 1 step 1 of 1 with "
+        "--lr 0.003: training diverged and stopped; no checkpoint was written (no epoch finished with "
+        "finite weights)"
+    ], err
     assert not (tmp_path / "checkpoint.pt").exists()
 
 
 def test_two_cpu_processes_stay_in_sync(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     # --standalone: a local rendezvous on a free port, so parallel runs (or anything on a fixed port) cannot collide
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "flexhstu.train", *TINY, "--epochs", "1", "--out", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "flexhstu.train",
+        *TINY,
+        "--epochs",
+        "1",
+        "--out",
+        str(tmp_path),
+    ]
     check_child(cmd, env=env)  # on a failure, the message holds the ranks' output
     sums = [json.loads((tmp_path / f"rank{r}.json").read_text())["checksum"] for r in (0, 1)]
     assert sums[0] == sums[1]

@@ -66,8 +66,9 @@ def pytorch_delta_hstu_mha(
     return o[seq, r].to(delta_q.dtype)
 
 
-def _decode(mask: torch.Tensor | FixedRule, offs: torch.Tensor, qrows: torch.Tensor, pos: torch.Tensor,
-            n: int) -> torch.Tensor:
+def _decode(
+    mask: torch.Tensor | FixedRule, offs: torch.Tensor, qrows: torch.Tensor, pos: torch.Tensor, n: int
+) -> torch.Tensor:
     """bool ``(B, Hf, M, N)``: which key columns each padded query row's intervals (or the fixed rule) cover."""
     cols = torch.arange(n, device=offs.device)
     if isinstance(mask, torch.Tensor):
