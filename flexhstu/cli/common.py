@@ -106,6 +106,17 @@ def non_negative_int(text: str) -> int:
 
 
 INT64_MAX = 2**63 - 1
+SEED_MAX = 2**53 - 1
+"""The largest ``--seed``: training seeds its generators with ``seed * 1000 + epoch``, which torch takes below
+2^64; 2^53 - 1 leaves room for any epoch count."""
+
+
+def seed_int(text: str) -> int:
+    """argparse type: a seed from 0 to ``SEED_MAX``."""
+    value = _int_at_least(text, 0)
+    if value > SEED_MAX:
+        raise argparse.ArgumentTypeError(f"expected an integer from 0 to 2^53 - 1, got {value}")
+    return value
 
 
 def _int_at_least(text: str, low: int) -> int:

@@ -11,7 +11,7 @@ import os
 import torch
 
 from .. import distributed
-from ..cli.common import Parser, non_negative_int, positive_int
+from ..cli.common import Parser, non_negative_int, positive_int, seed_int
 from ..data.movielens import parse_columns
 from ..metrics import parse_metrics
 from ..models import ModelConfig
@@ -155,7 +155,7 @@ def build_parser() -> Parser:
         default=256,
         help="retrieval: sampled negatives per step of the sampled softmax",
     )
-    p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the weights, the order and the negatives")
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of the weights, the order and the negatives")
     p.add_argument(
         "--eval-users",
         type=non_negative_int,

@@ -45,6 +45,11 @@ def _status(argv) -> int:
         (["show-mask", "sla", "--lengths", "20", "--k1", "3"], "unrecognized arguments: --k1 3"),
         (["train", "--data", "synthetic", "--out", "/dev/null/run"], "--out: Not a directory"),
         (["train", "--data", "synthetic", "--epochs", "0"], "argument --epochs: expected an integer >= 1, got 0"),
+        # seed * 1000 + epoch seeds torch's generators, which take values below 2^64 only
+        (
+            ["train", "--data", "synthetic", "--seed", "18446744073709552"],
+            "argument --seed: expected an integer from 0 to 2^53 - 1, got 18446744073709552",
+        ),
         (
             ["show-mask", "sla", "--lengths", "20", "-o", "/nonexistent-dir/m.png"],
             "--output: No such file or directory",
