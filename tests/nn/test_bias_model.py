@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 from rules import offsets_from
+from tiny_run import TINY as TINY_RUN
 
 from flexhstu import checkpoint, train
 from flexhstu.cli.common import UserError
@@ -14,27 +15,7 @@ from flexhstu.nn import STULayerConfig, STUStack
 
 LENGTHS = [9, 0, 13, 4]
 DIM, HEADS = 16, 2
-TINY = [
-    "--data",
-    "synthetic",
-    "--dim",
-    "16",
-    "--layers",
-    "1",
-    "--heads",
-    "2",
-    "--max-len",
-    "20",
-    "--batch-size",
-    "64",
-    "--negatives",
-    "32",
-    "--quiet",
-    "--device",
-    "cpu",
-    "--epochs",
-    "2",
-]
+TINY = [*TINY_RUN, "--epochs", "2"]
 
 
 def _stack(recompute: bool, rel_bias: bool = True) -> STUStack:

@@ -15,28 +15,11 @@ import time
 import pytest
 import torch
 from children import run_child, shown
+from tiny_run import TINY as TINY_RUN
 
 from flexhstu import checkpoint, train
 
-TINY = [
-    "--data",
-    "synthetic",
-    "--dim",
-    "16",
-    "--layers",
-    "1",
-    "--heads",
-    "2",
-    "--max-len",
-    "20",
-    "--batch-size",
-    "64",
-    "--negatives",
-    "32",
-    "--quiet",
-    "--device",
-    "cpu",
-]
+TINY = TINY_RUN
 
 # Re-saves the run's checkpoint with a large payload tagged by a version number, forever.
 SAVER = """

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from children import check_child, run_child, shown
+from tiny_run import TINY as TINY_RUN
 
 from flexhstu import checkpoint, distributed, train
 from flexhstu.cli.common import UserError
@@ -24,27 +25,7 @@ from flexhstu.data import synthetic
 from flexhstu.data.synthetic_source import SyntheticSource
 from flexhstu.models import build_model
 
-TINY = [
-    "--data",
-    "synthetic",
-    "--dim",
-    "16",
-    "--layers",
-    "1",
-    "--heads",
-    "2",
-    "--max-len",
-    "20",
-    "--batch-size",
-    "64",
-    "--negatives",
-    "32",
-    "--quiet",
-    "--device",
-    "cpu",
-    "--dropout",
-    "0",
-]
+TINY = [*TINY_RUN, "--dropout", "0"]
 HERE = Path(__file__).resolve().parent
 
 

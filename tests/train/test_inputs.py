@@ -3,30 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from tiny_run import TINY as TINY_RUN
 
 from flexhstu import checkpoint, run_settings, train
 from flexhstu.cli.common import UserError
 from flexhstu.data import synthetic
 
-TINY = [
-    "--data",
-    "synthetic",
-    "--dim",
-    "16",
-    "--layers",
-    "1",
-    "--heads",
-    "2",
-    "--max-len",
-    "20",
-    "--batch-size",
-    "64",
-    "--negatives",
-    "32",
-    "--quiet",
-    "--device",
-    "cpu",
-]
+TINY = TINY_RUN
 
 
 @pytest.mark.parametrize(

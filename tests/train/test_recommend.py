@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tiny_run import TINY_MODEL
 
 from flexhstu import train
 from flexhstu.cli.main import main
@@ -15,25 +16,7 @@ from flexhstu.data.sequences import user_sequences
 from flexhstu.models import make_batch
 from flexhstu.recommend import Recommender
 
-TINY = [
-    "--dim",
-    "16",
-    "--layers",
-    "1",
-    "--heads",
-    "2",
-    "--max-len",
-    "20",
-    "--batch-size",
-    "64",
-    "--negatives",
-    "32",
-    "--quiet",
-    "--device",
-    "cpu",
-    "--epochs",
-    "1",
-]
+TINY = [*TINY_MODEL, "--quiet", "--epochs", "1"]
 COLUMNS = {"user": "who", "item": "what", "time": "when", "rating": "stars"}
 
 

@@ -6,28 +6,12 @@ import json
 import os
 
 import pytest
+from tiny_run import TINY_MODEL
 
 from flexhstu import train
 from flexhstu.cli.common import UserError
 
-TINY = [
-    "--data",
-    "synthetic",
-    "--dim",
-    "16",
-    "--layers",
-    "1",
-    "--heads",
-    "2",
-    "--max-len",
-    "20",
-    "--batch-size",
-    "64",
-    "--negatives",
-    "32",
-    "--device",
-    "cpu",
-]
+TINY = ["--data", "synthetic", *TINY_MODEL]
 
 
 def test_each_run_gets_its_own_folder_and_latest_points_to_the_newest(tmp_path, monkeypatch, capsys):

@@ -12,30 +12,13 @@ import numpy as np
 import pytest
 import torch
 from children import check_child
+from tiny_run import TINY as TINY_RUN
 
 from flexhstu import train
 from flexhstu.data import load, synthetic
 from flexhstu.data.sequences import leave_one_out
 
-TINY = [
-    "--data",
-    "synthetic",
-    "--dim",
-    "16",
-    "--layers",
-    "1",
-    "--heads",
-    "2",
-    "--max-len",
-    "20",
-    "--batch-size",
-    "64",
-    "--negatives",
-    "32",
-    "--quiet",
-    "--device",
-    "cpu",
-]
+TINY = TINY_RUN
 
 
 def test_ratings_files_are_read_and_cached(tmp_path):
