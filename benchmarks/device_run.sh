@@ -10,6 +10,7 @@
 #   bias-ablate  where the bias's time goes: the bias with one part of its work taken out at a time
 #            (benchmarks/bias_ablations.py, causal; ABLATE_ONLY=causal,sla for both)
 #   stu      the STU model step (flexhstu/bench/stu_step.py --suite), step time and peak memory
+#   stu-memory  the STU step's peak memory as users measure it (benchmarks/stu_memory.py)
 #   serving  cached delta scoring vs full recompute (flexhstu/bench/serving.py --quick)
 #   aoti-probe  which small AOTInductor packages compile, load and run (benchmarks/aoti_probe.py, a process each)
 #   aoti     the micro-batch scorer compiled with AOTInductor vs eager (flexhstu/bench/serving.py --aoti --quick)
@@ -61,6 +62,7 @@ for s in $stages; do
     aoti-probe) run aoti-probe 420 python3 benchmarks/aoti_probe.py --log-dir "$OUT/aoti-probe" ;;
     stu) run stu 220 python3 -m flexhstu.bench.stu_step --suite --dropout 0 --variants eager lean default \
            --json "$OUT/stu.json" ;;
+    stu-memory) run stu-memory 200 python3 benchmarks/stu_memory.py ;;
     serving) run serving 200 python3 -m flexhstu.bench.serving --quick --json "$OUT/serving.json" ;;
     serving-profile) run serving-profile 150 python3 benchmarks/profile_serving.py --out "$OUT/profile-serving" ;;
     aoti) run aoti 420 python3 -m flexhstu.bench.serving --aoti --quick --json "$OUT/aoti.json" ;;
