@@ -212,7 +212,7 @@ def _check_same_device(q: torch.Tensor, **tensors: torch.Tensor | None) -> None:
 
 
 def _checked_rule(rule: FixedRule, batch: int) -> FixedRule:
-    causal = as_bool("causal", rule.causal)  # "no" or None would pass a truth test (audit)
+    causal = as_bool("causal", rule.causal)  # "no" or None would pass a truth test
     if rule.num_targets is not None:
         check_num_targets_meta(rule.num_targets, batch)
     ints = {name: as_span(name, getattr(rule, name)) for name in FixedRule._fields[2:]}

@@ -32,7 +32,7 @@ def _status(argv) -> int:
             "argument --sla-k1: expected an integer >= 1, got 0",
         ),
         (["show-mask", "sla", "--lengths", "20,600"], "--lengths: expected lengths up to 512"),
-        # User trial: integers beyond int64 gave "Overflow when unpacking long long" or "Maximum allowed dimension".
+        # Guards against: integers beyond int64 gave "Overflow when unpacking long long" or "Maximum allowed dimension".
         (
             ["show-mask", "sla", "--lengths", "5", "--targets", "99999999999999999999"],
             "argument --targets: expected an integer from 0 to 2^63 - 1 (int64), got 99999999999999999999",

@@ -169,7 +169,7 @@ def test_a_mapped_file_names_itself_and_the_bad_column(tmp_path, columns, msg):
 
 @pytest.mark.parametrize("key,column", [("user", "uid"), ("item", "iid"), ("time", "ts")])
 def test_an_integer_beyond_int64_in_a_mapped_csv_is_named_as_out_of_range(tmp_path, key, column):
-    # User trial: an id of 99999999999999999999 was reported as "expected integers, got double" (Arrow reads a
+    # Guards against: an id of 99999999999999999999 was reported as "expected integers, got double" (Arrow reads a
     # column of integers that int64 cannot hold as doubles).
     big = "99999999999999999999"
     rows = {"uid": ["1", "2", "1"], "iid": ["7", "8", "8"], "ts": ["10", "11", "12"]}

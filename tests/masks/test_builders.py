@@ -87,7 +87,7 @@ def test_sla_matches_the_seed_rule(data, lengths, dtype, k1, k2, c, use_targets)
 
 
 def test_sla_refuses_a_local_window_of_zero_as_the_cli_does():
-    # User trial: --sla-k1 0 was refused by the command line but masks.sla built a mask in which history rows past
+    # Guards against: --sla-k1 0 was refused by the command line but masks.sla built a mask in which history rows past
     # the prefix could not see themselves.
     with pytest.raises(ValueError, match=r"^sla_k1: expected an int >= 1, got 0$"):
         masks.sla(offsets_from([5, 4]), 0, 2)

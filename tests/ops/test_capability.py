@@ -29,7 +29,7 @@ def qkv(dqk=16, dv=16, dtype=torch.float32):
 
 UNSUPPORTED = {
     "float64": (dict(dtype=torch.float64), {}, r"q.dtype: expected float16, bfloat16 or float32 .*got torch.float64"),
-    # The interpreter's bfloat16 dots are wrong (audit: outputs near 1e9 where the reference gives 0.6).
+    # The interpreter's bfloat16 dots are wrong (outputs near 1e9 where the reference gives 0.6).
     "bfloat16 on the CPU": (
         dict(dtype=torch.bfloat16),
         {},

@@ -111,7 +111,7 @@ CASES = [
         r"1e-37 to 1e\+37 .*got 1e-300",
     ),
     (dict(scaling_seqlen=1e300), ValueError, r"scaling_seqlen: expected <= 0 .*got 1e\+300"),
-    # Any truthy object ran causal, None non-causal (audit).
+    # Any truthy object ran causal, None non-causal.
     (dict(causal="no"), TypeError, r"causal: expected a bool \(Python or NumPy\), got str"),
     (dict(causal=None), TypeError, r"causal: expected a bool \(Python or NumPy\), got NoneType"),
     # Audit: training="no" applied dropout, None silently turned it off.

@@ -83,7 +83,7 @@ def _write_truncated(p):
         lambda p: p.write_bytes(b"not a checkpoint at all"),
         lambda p: p.write_bytes(pickle.dumps({"epoch": 1}, protocol=2)),  # torch.load's protocol: no warning
         lambda p: torch.save({"epoch": 1}, p),
-        # A CSV of events: the weights-only unpickler fails with IndexError (user trial: a traceback).
+        # A CSV of events: the weights-only unpickler fails with IndexError (guards against: a traceback).
         lambda p: p.write_text("uid,iid,ts,r\n" + "".join(f"u0,i{i % 40},{1000 + i},{i % 5 + 1}\n" for i in range(50))),
     ],
     ids=["empty", "truncated", "garbage", "foreign-pickle", "foreign-torch", "csv"],
@@ -133,7 +133,7 @@ def _run_files(out):
 
 
 def test_a_checkpoint_that_outgrows_the_file_size_limit_is_one_line_and_the_previous_one_stays(tmp_path):
-    # User trial (ulimit -f 2000; flexhstu train --resume): two chained tracebacks, OSError [Errno 27] File too
+    # Guards against (ulimit -f 2000; flexhstu train --resume): two chained tracebacks, OSError [Errno 27] File too
     # large, then torch's RuntimeError from inline_container.cc.
     out = tmp_path / "run"
     train.main(TINY + SHORT + ["--stop-after", "1", "--out", str(out)])

@@ -62,7 +62,7 @@ def test_ranking_without_an_eligible_user_is_an_error(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("where", ["file", "below a file"])
 def test_a_data_cache_that_is_not_a_folder_names_flexhstu_cache(tmp_path, monkeypatch, capsys, where):
-    # User trial: FLEXHSTU_CACHE naming a file gave "error: File exists: '...'", which does not say what was wrong.
+    # Guards against: FLEXHSTU_CACHE naming a file gave "error: File exists: '...'", which does not say what was wrong.
     blocker = tmp_path / "some.csv"
     blocker.write_text("a,b\n")
     cache = blocker if where == "file" else blocker / "cache"
@@ -145,7 +145,7 @@ def test_a_setting_added_later_reads_in_an_older_checkpoint_as_the_options_defau
 def test_a_checkpoint_whose_configuration_lacks_a_key_is_named_alike_by_resume_and_recommend(
     one_epoch, tmp_path, capsys
 ):
-    # User trial: recommend said "its configuration lacks 'Namespace' object has no attribute 'dim'" while
+    # Guards against: recommend said "its configuration lacks 'Namespace' object has no attribute 'dim'" while
     # train --resume accepted the same file without a word.
     from flexhstu.cli.main import main
 
@@ -176,7 +176,7 @@ def test_resume_applies_a_new_learning_rate_and_more_epochs(one_epoch, tmp_path,
 
 
 def test_resume_keeps_the_runs_learning_rate_and_length_unless_given(one_epoch, tmp_path, capsys):
-    # User trial: a resume without --lr put the learning rate back to the default (and --epochs to 60).
+    # Guards against: a resume without --lr put the learning rate back to the default (and --epochs to 60).
     out = _copy(one_epoch, tmp_path / "r")
     train.main(TINY + ["--stop-after", "1", "--lr", "0.001", "--resume", "--out", out])
     capsys.readouterr()

@@ -58,7 +58,7 @@ def test_retrieval_among_candidates_ranks_only_those(csv_run):
     rec = Recommender.from_checkpoint(root / "run" / "checkpoint.pt")
     (answer,) = rec.recommend(["u7"], k=10, candidates=["i1", "i2", "i5"], include_seen=True)
     assert sorted(answer.items) == ["i1", "i2", "i5"]
-    # Given candidates are all ranked, seen or not (user trial: seen ones vanished, leaving "user 7: ", exit 0).
+    # Given candidates are all ranked, seen or not (guards against: seen ones vanished, leaving "user 7: ", exit 0).
     seen = [rec.item_ids[i - 1] for i in rec.histories["u7"][0][:3]]
     (answer,) = rec.recommend(["u7"], k=10, candidates=seen)
     assert sorted(answer.items) == sorted(set(seen))
@@ -84,7 +84,7 @@ def test_the_command_prints_one_line_per_user_and_names_a_wrong_user(csv_run, ca
 
 
 def test_a_repeated_user_is_answered_once_in_the_order_first_given(csv_run, capsys):
-    # User trial: --users u2,u1,u2 printed user u2's line twice.
+    # Guards against: --users u2,u1,u2 printed user u2's line twice.
     root, _ = csv_run
     ckpt = str(root / "run" / "checkpoint.pt")
     assert main(["recommend", "--checkpoint", ckpt, "--users", "u2,u1,u2", "--k", "3"]) == 0
@@ -93,7 +93,7 @@ def test_a_repeated_user_is_answered_once_in_the_order_first_given(csv_run, caps
 
 
 def test_a_k_beyond_the_users_unseen_items_lists_them_all_and_says_so(csv_run, capsys):
-    # User trial: --k 1000 gave a shorter line than asked, with nothing to say why.
+    # Guards against: --k 1000 gave a shorter line than asked, with nothing to say why.
     root, _ = csv_run
     ckpt = str(root / "run" / "checkpoint.pt")
     rec = Recommender.from_checkpoint(ckpt)
@@ -107,7 +107,7 @@ def test_a_k_beyond_the_users_unseen_items_lists_them_all_and_says_so(csv_run, c
 
 
 def test_candidates_without_k_are_all_ranked_without_a_note_about_k(csv_run, capsys):
-    # User trial: --candidates i1,i2,i3 without --k printed "--k 10: user u1 has only 3 candidates", about an
+    # Guards against: --candidates i1,i2,i3 without --k printed "--k 10: user u1 has only 3 candidates", about an
     # option the user never gave.
     root, _ = csv_run
     ckpt = str(root / "run" / "checkpoint.pt")
@@ -126,7 +126,7 @@ def test_a_ranking_model_scores_the_given_candidates_per_task(tmp_path):
     everything = rec.recommend([4], k=4, candidates=[5, 9, 12, 30])[0]  # all four, seen or not
     assert sorted(everything.items) == [5, 9, 12, 30]
     assert answer.items == everything.items[:2] and answer.scores[0, 0] >= answer.scores[1, 0]
-    # User trial: a repeated candidate was scored and listed twice.
+    # Guards against: a repeated candidate was scored and listed twice.
     assert rec.recommend([4], k=4, candidates=[5, 9, 5, 12, 30, 9])[0].items == everything.items
     with pytest.raises(ValueError, match="--candidates: expected the items to score"):
         rec.recommend([4])
@@ -135,7 +135,7 @@ def test_a_ranking_model_scores_the_given_candidates_per_task(tmp_path):
 
 
 def test_a_model_whose_scores_are_not_finite_is_refused(csv_run, tmp_path, capsys):
-    # User trial: the checkpoint of a diverged run (--lr 1e9) printed NaN scores in the catalogue's order, exit 0.
+    # Guards against: the checkpoint of a diverged run (--lr 1e9) printed NaN scores in the catalogue's order, exit 0.
     import torch
 
     from flexhstu import checkpoint
@@ -167,7 +167,7 @@ def test_other_data_than_the_runs_is_refused(csv_run):
 
 
 def test_a_checkpoint_without_a_runs_entries_or_with_other_weights_is_one_clear_error(csv_run, tmp_path):
-    # Bad-input audit: both gave a traceback (KeyError 'config'; load_state_dict's size mismatch report).
+    # Guards against: both gave a traceback (KeyError 'config'; load_state_dict's size mismatch report).
     import torch
 
     from flexhstu import checkpoint
@@ -186,7 +186,7 @@ def test_a_checkpoint_without_a_runs_entries_or_with_other_weights_is_one_clear_
 
 
 def test_a_run_with_sharded_embeddings_recommends_from_its_sharded_best(tmp_path):
-    # Bad-input audit: KeyError 'model' (the best weights of such a run are a sharded folder).
+    # Guards against: KeyError 'model' (the best weights of such a run are a sharded folder).
     out = tmp_path / "run"
     train.main(TINY + ["--data", "synthetic", "--shard-embeddings", "rowwise", "--out", str(out)])
     rec = Recommender.from_checkpoint(out / "checkpoint.pt")
@@ -196,7 +196,7 @@ def test_a_run_with_sharded_embeddings_recommends_from_its_sharded_best(tmp_path
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the error of a machine without CUDA")
 def test_a_device_that_is_not_here_is_named_not_the_checkpoint(csv_run):
-    # User trial: the error blamed the checkpoint ("not a complete flexhstu checkpoint (RuntimeError: ...CUDA...)").
+    # Guards against: the error blamed the checkpoint ("not a complete flexhstu checkpoint (RuntimeError: ...CUDA...)").
     root, data = csv_run
     with pytest.raises(ValueError, match=r"--device: expected cpu \(CUDA is not available here\), got 'cuda'"):
         Recommender.from_checkpoint(root / "run" / "checkpoint.pt", data=data, device="cuda")

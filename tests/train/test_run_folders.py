@@ -47,7 +47,7 @@ def test_resuming_a_finished_run_says_nothing_is_left_to_train(tmp_path, capsys)
     assert f"flexhstu train: all 1 epochs are done in {tmp_path / 'checkpoint.pt'} (1 trained)" in err
     assert "resuming at epoch" not in err
     train.main(TINY + ["--epochs", "1", "--quiet", "--out", str(tmp_path), "--resume"])
-    assert capsys.readouterr().err == ""  # --quiet: nothing but errors (user trial: the notes were printed)
+    assert capsys.readouterr().err == ""  # --quiet: nothing but errors (guards against: the notes were printed)
 
 
 def test_writing_a_finished_runs_outputs_again_keeps_its_throughput(tmp_path):
@@ -112,7 +112,7 @@ def test_the_plot_is_titled_and_puts_a_ranking_metrics_tasks_in_one_panel(tmp_pa
     "argv", [["--data", "no/such/ratings.dat"], ["--data", "synthetic", "--columns", "user=a,item=b,time=c"]]
 )
 def test_a_data_mistake_leaves_no_run_folder_and_latest_where_it_was(tmp_path, monkeypatch, argv):
-    # User trial: the failed run's empty folder took runs/latest, hiding the good run from recommend and --resume.
+    # Guards against: the failed run's empty folder took runs/latest, hiding the good run from recommend and --resume.
     monkeypatch.chdir(tmp_path)
     (tmp_path / "runs" / "good").mkdir(parents=True)
     os.symlink("good", tmp_path / "runs" / "latest")
@@ -178,7 +178,7 @@ def test_metrics_json_holds_null_for_a_metric_that_is_not_a_number(tmp_path):
 
 
 def test_the_plot_is_written_atomically(tmp_path, monkeypatch):
-    # User trial: a kill while metrics.png was written left an empty file (savefig wrote in place).
+    # Guards against: a kill while metrics.png was written left an empty file (savefig wrote in place).
     from flexhstu import checkpoint
 
     seen = []
@@ -192,7 +192,7 @@ def test_the_plot_is_written_atomically(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("where", ["root", "home"])
 def test_a_filesystem_root_or_the_home_folder_is_refused_as_out(tmp_path, monkeypatch, capsys, where):
-    # User trial: --out / was accepted and wrote the run (checkpoint.pt, metrics.json, .lock...) into /.
+    # Guards against: --out / was accepted and wrote the run (checkpoint.pt, metrics.json, .lock...) into /.
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     (tmp_path / "home").mkdir()
 

@@ -94,7 +94,7 @@ SHORT = ["--epochs", "3", "--steps-per-epoch", "3", "--eval-users", "50"]
 
 
 def test_a_diverging_run_stops_at_the_first_non_finite_loss_and_keeps_its_last_checkpoint(tmp_path, capsys):
-    # User trial: --lr 1e9 made every loss NaN, yet the run reported HR@10 = NDCG@10 = 1.0, chose a best epoch,
+    # Guards against: --lr 1e9 made every loss NaN, yet the run reported HR@10 = NDCG@10 = 1.0, chose a best epoch,
     # saved the NaN model and exited 0.
     out = tmp_path / "run"
     train.main(TINY + SHORT + ["--stop-after", "1", "--out", str(out)])
