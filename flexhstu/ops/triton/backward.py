@@ -25,7 +25,7 @@ import triton.language as tl
 from .bias_tiles import add_bias, bias_cols, bias_grad, bias_rows, tile_buckets
 from .block_tables import first_block, locate_block
 from .hulls import block_is_full, interval_visibility
-from .memory import load_rows, tile_mask, tile_ptrs
+from .memory import load_rows, store_rows, tile_mask, tile_ptrs
 from .query_major import key_block_scores, query_major_program
 from .row_intervals import MODE_CAUSAL, causal_bounds, head_func, sequence_targets
 from .silu import finite_below, sigmoid
@@ -231,3 +231,31 @@ def _key_block(Q, K, V, DO, DK, DV, func, rule, OFFS, KTAB, BOUNDS, QLO, QHI, it
         else:
             tl.store(dk_ptrs, (acc_k * dk_scale).to(DK.ptr.dtype.element_ty), mask=dk_mask)
             tl.store(dv_ptrs, (acc_v * dv_scale).to(DV.ptr.dtype.element_ty), mask=dv_mask)
+
+
+@triton.jit
+def zero_split_rows_kernel(OFFS, KTAB, QLO, QHI, DK, DV, n_kblocks, n_heads, chunk, PER_HEAD: tl.constexpr,
+                           CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr,
+                           DIM_V: tl.constexpr, TILE_QK: tl.constexpr, TILE_V: tl.constexpr):
+    """Grid ``(n_kblocks, Hplan)``: zero the dK, dV rows of every key block whose query range holds more than
+    ``chunk`` query blocks (the test of ``_key_block``'s own program), which the dK/dV kernel then adds into
+    atomically; every other row it stores whole, so only these rows need zeros (a plan row serves every head
+    unless PER_HEAD)."""
+    kflat = tl.program_id(0)
+    hp = tl.program_id(1)
+    _, kb, seq_start, L = locate_block(KTAB, OFFS, kflat, BLOCK_N)
+    if kb * BLOCK_N < L:
+        if CAUSAL:
+            q_lo = kb * BLOCK_N // BLOCK_M
+            q_hi = (L + BLOCK_M - 1) // BLOCK_M
+        else:
+            q_lo = tl.load(QLO + hp * n_kblocks + kflat)
+            q_hi = tl.load(QHI + hp * n_kblocks + kflat)
+        if q_hi - q_lo > chunk:
+            cols = kb * BLOCK_N + tl.arange(0, BLOCK_N)
+            ok = cols < L
+            h_lo = hp if PER_HEAD else 0
+            h_hi = hp + 1 if PER_HEAD else n_heads
+            for h in range(h_lo, h_hi):
+                store_rows(DK, seq_start + cols, ok, h, tl.zeros((BLOCK_N, TILE_QK), tl.float32), DIM_QK, TILE_QK)
+                store_rows(DV, seq_start + cols, ok, h, tl.zeros((BLOCK_N, TILE_V), tl.float32), DIM_V, TILE_V)

@@ -60,7 +60,7 @@ class Visibility:
 
 @dataclass(frozen=True, eq=False)
 class SplitList:
-    """The dK/dV kernel's extra work items for one ``chunk`` (``plan._split_list_kernel``): per plan row, the
+    """The dK/dV kernel's extra work items for one ``chunk`` (``hulls._split_list_kernel``): per plan row, the
     pieces ``1 ..`` of every key block whose query range is longer than ``chunk`` query blocks, as int32
     ``(Hplan, cap)`` key blocks ``kb`` and query-block ranges ``[lo, hi)``, and their count ``n (Hplan,)``.
     Built on the device, read only by the kernel: no host sync."""
@@ -105,11 +105,12 @@ class KeyMajorPlan:
             dev = self._offs.device
             cap = max(1, self.n_kblocks * (max_split - 1))
             kb, lo, hi = (torch.empty(self._nplan, cap, dtype=torch.int32, device=dev) for _ in range(3))
-            n = torch.empty(self._nplan, dtype=torch.int32, device=dev)
-            _split_list_kernel[(self._nplan,)](
+            n = torch.zeros(self._nplan, dtype=torch.int32, device=dev)
+            per_program = 16  # key blocks per program: the programs reserve their slots in parallel
+            _split_list_kernel[(triton.cdiv(self.n_kblocks, per_program), self._nplan)](
                 self._offs, self.ktab, self.qlo, self.qhi, kb, lo, hi, n, self.n_kblocks, chunk, cap,
                 CAUSAL=self._causal, MAX_SPLIT=max_split, BLOCK_M=self._tile.block_m, BLOCK_N=self._tile.block_n,
-                CHUNK=64, num_warps=4)
+                CHUNK=per_program, num_warps=4)
             self._splits[key] = SplitList(chunk, kb, lo, hi, n, cap)
         return self._splits[key]
 

@@ -315,40 +315,39 @@ def _plan_kernel(func, rule, OFFS, QTAB, BOUNDS, QLO, QHI, n_qblocks, n_kblocks,
 def _split_list_kernel(OFFS, KTAB, QLO, QHI, ITEM_KB, ITEM_LO, ITEM_HI, NITEMS, n_kblocks, chunk, cap,
                        CAUSAL: tl.constexpr, MAX_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        CHUNK: tl.constexpr):
-    """One program per plan row: the dK/dV kernel's *extra* work items (``block_plan.SplitList``).
+    """Grid ``(cdiv(n_kblocks, CHUNK), Hplan)``: the dK/dV kernel's *extra* work items (``block_plan.SplitList``)
+    of ``CHUNK`` key blocks of one plan row.
 
     A key block whose query range ``[q_lo, q_hi)`` holds more than ``chunk`` query blocks is cut into
     ``n = min(cdiv(range, chunk), MAX_SPLIT)`` pieces of ``chunk`` blocks, the last running to ``q_hi``. The
-    key block's own program takes piece 0; pieces ``1 .. n - 1`` are listed here as (key block, lo, hi), in
-    key-block order, and their count goes to ``NITEMS``. Under CAUSAL the ranges are closed-form, else read
-    from ``QLO``/``QHI`` (``_plan_kernel``)."""
-    hp = tl.program_id(0)
-    row = hp.to(tl.int64) * cap
-    run = tl.zeros((), dtype=tl.int32)
+    key block's own program takes piece 0; pieces ``1 .. n - 1`` are listed as (key block, lo, hi), in piece
+    order, at slots the program reserves with one atomic add on ``NITEMS`` (zeroed before; it ends as the
+    row's count), so the programs run in parallel and the lists of different programs land in any order.
+    Under CAUSAL the ranges are closed-form, else read from ``QLO``/``QHI`` (``_plan_kernel``)."""
+    hp = tl.program_id(1)
     jj = 1 + tl.arange(0, MAX_SPLIT)  # piece numbers 1 .. MAX_SPLIT (the last never used)
-    for c0 in range(0, n_kblocks, CHUNK):
-        kf = c0 + tl.arange(0, CHUNK)
-        ok = kf < n_kblocks
-        if CAUSAL:
-            seq = tl.load(KTAB + kf, mask=ok, other=0)
-            kb = kf - first_block(OFFS, seq, BLOCK_N)
-            L = (tl.load(OFFS + seq + 1, mask=ok, other=0) - tl.load(OFFS + seq, mask=ok, other=0)).to(tl.int32)
-            ok = ok & (kb * BLOCK_N < L)
-            q_lo = kb * BLOCK_N // BLOCK_M
-            q_hi = (L + BLOCK_M - 1) // BLOCK_M
-        else:
-            q_lo = tl.load(QLO + hp * n_kblocks + kf, mask=ok, other=0)
-            q_hi = tl.load(QHI + hp * n_kblocks + kf, mask=ok, other=0)
-        span = tl.where(ok, q_hi - q_lo, 0)
-        pieces = tl.minimum((span + chunk - 1) // chunk, MAX_SPLIT)
-        extra = tl.where(span > chunk, pieces - 1, 0)
-        start = run + tl.cumsum(extra, 0) - extra
+    kf = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    ok = kf < n_kblocks
+    if CAUSAL:
+        seq = tl.load(KTAB + kf, mask=ok, other=0)
+        kb = kf - first_block(OFFS, seq, BLOCK_N)
+        L = (tl.load(OFFS + seq + 1, mask=ok, other=0) - tl.load(OFFS + seq, mask=ok, other=0)).to(tl.int32)
+        ok = ok & (kb * BLOCK_N < L)
+        q_lo = kb * BLOCK_N // BLOCK_M
+        q_hi = (L + BLOCK_M - 1) // BLOCK_M
+    else:
+        q_lo = tl.load(QLO + hp * n_kblocks + kf, mask=ok, other=0)
+        q_hi = tl.load(QHI + hp * n_kblocks + kf, mask=ok, other=0)
+    span = tl.where(ok, q_hi - q_lo, 0)
+    pieces = tl.minimum((span + chunk - 1) // chunk, MAX_SPLIT)
+    extra = tl.where(span > chunk, pieces - 1, 0)
+    count = tl.sum(extra, axis=0)
+    if count > 0:
+        start = tl.atomic_add(NITEMS + hp, count) + tl.cumsum(extra, 0) - extra
         lo = q_lo[:, None] + jj[None, :] * chunk
         hi = tl.where(jj[None, :] == pieces[:, None] - 1, q_hi[:, None], lo + chunk)
-        at = row + start[:, None] + jj[None, :] - 1
+        at = hp.to(tl.int64) * cap + start[:, None] + jj[None, :] - 1
         m = jj[None, :] <= extra[:, None]
         tl.store(ITEM_KB + at, kf[:, None] + tl.zeros_like(lo), mask=m)
         tl.store(ITEM_LO + at, lo, mask=m)
         tl.store(ITEM_HI + at, hi, mask=m)
-        run += tl.sum(extra, axis=0)
-    tl.store(NITEMS + hp, run)

@@ -9,7 +9,7 @@ import torch
 
 from . import bias_tables
 from .args import jagged
-from .backward import hstu_backward_dkdv_kernel, hstu_backward_dq_kernel
+from .backward import hstu_backward_dkdv_kernel, hstu_backward_dq_kernel, zero_split_rows_kernel
 from .block_plan import BlockPlan, Visibility
 from .config import Tiles, tiles
 from .debug import poisoning
@@ -152,8 +152,8 @@ def backward(dout, q, k, v, offs, vis: Visibility, alpha: float, out_scale: floa
     # A key block's query range longer than `chunk` query blocks is cut into at most MAX_SPLIT pieces; its own
     # program takes the first, workers scheduled before every key block take the rest from a list built on the
     # device (block_plan.SplitList). max_seq_len only sizes the pieces: the last runs to the end of the range
-    # whatever its length, and when no range can be longer than one piece nothing is split (only then are the
-    # outputs, which the pieces add into, left unzeroed).
+    # whatever its length, and when no range can be longer than one piece nothing is split (and no launch
+    # outputs left unzeroed; else only the rows of the split key blocks are zeroed, the others stored whole).
     hint = max(max_seq_len, 1)
     if interpreting:  # the offsets are on the host: a hint above the longest sequence is cut to it (it made most
         # programs empty, each a Python call in the interpreter); a smaller one is kept, as on the GPU
@@ -164,10 +164,14 @@ def backward(dout, q, k, v, offs, vis: Visibility, alpha: float, out_scale: floa
     if q_blocks_max > chunk:
         split = km.split_list(chunk, max_split)
         n_workers = 3 if interpreting else _workers(q.device)
-        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     else:
         split, n_workers, chunk = None, 0, _NEVER_SPLIT
-        dk, dv = _new_like(k), _new_like(v)
+    dk, dv = _new_like(k), _new_like(v)
+    if split is not None:
+        zero_split_rows_kernel[(km.n_kblocks, nheads if vis.per_head() else 1)](
+            offs, km.ktab, km.qlo, km.qhi, jagged(dk), jagged(dv), km.n_kblocks, nheads, chunk,
+            PER_HEAD=vis.per_head(), CAUSAL=vis.mode == _MODE_CAUSAL, BLOCK_M=tkv.block_m, BLOCK_N=tkv.block_n,
+            DIM_QK=args["DIM_QK"], DIM_V=args["DIM_V"], TILE_QK=args["TILE_QK"], TILE_V=args["TILE_V"], num_warps=4)
     lists = dict(ITEM_KB=split.kb, ITEM_LO=split.lo, ITEM_HI=split.hi, NITEMS=split.n, item_cap=split.cap) if split \
         else dict(ITEM_KB=km.ktab, ITEM_LO=km.ktab, ITEM_HI=km.ktab, NITEMS=km.ktab, item_cap=0)
     grads = {"BIAS_GRAD": True} if bias is not None and bias.args.dpos.numel() else {}
