@@ -6,6 +6,12 @@ layer norms' statistics ``(total, 1)`` and, with dropout, the keep-mask as bool 
 Everything else (LN(x), silu(u), LN(a), y, the concatenation ``[u, a, y]``) is pointwise in those and
 is rebuilt in the backward, which costs less than writing it out in the forward and reading it back.
 
+With ``recompute_u`` u is not kept either: the projection is two matmuls, u's columns into a buffer of
+their own (which dies with the forward) and v, q, k into another, and the backward rebuilds u from the
+saved x (the input norm and u's quarter of the projection again: the same calls on the same inputs, so
+the same values). That is ``total * h * dh`` elements less per layer for one more ``(total, D) x (D, h
+dh)`` matmul and norm in the backward.
+
 Both functions also avoid the concatenations a plain autograd graph makes: the projection's output
 is handed on as four views (so their gradients arrive separately and are never concatenated) and
 the output projection's weight gradient is taken piece by piece from ``silu(u)``, ``a`` and ``y``.
@@ -39,10 +45,24 @@ def gate(su: torch.Tensor, an: torch.Tensor, keep: torch.Tensor | None, p: float
     return y if keep is None else y * keep / (1 - p)
 
 
-def norm_linear_forward(x, norm_weight, norm_bias, weight, bias, eps: float):
-    """``x (total, D) -> (Linear(LN(x)) (total, W), mean (total, 1), rstd (total, 1))``."""
+def norm_linear_forward(x, norm_weight, norm_bias, weight, bias, eps: float, first: int):
+    """``x (total, D) -> (head, rest, mean (total, 1), rstd (total, 1))``: with ``first`` 0, ``head`` is
+    ``Linear(LN(x)) (total, W)`` and ``rest`` None; else ``head`` holds its first ``first`` columns and ``rest``
+    the others, from two matmuls (two buffers)."""
     xn, mean, rstd = torch.native_layer_norm(x, [x.shape[-1]], norm_weight, norm_bias, eps)
-    return F.linear(xn, weight, bias), mean, rstd
+    if not first:
+        return F.linear(xn, weight, bias), None, mean, rstd
+    return _linear_rows(xn, weight, bias, 0, first), _linear_rows(xn, weight, bias, first, None), mean, rstd
+
+
+def _linear_rows(xn, weight, bias, lo: int, hi: int | None):
+    return F.linear(xn, weight[lo:hi], None if bias is None else bias[lo:hi])
+
+
+def rebuild_head(x, norm_weight, norm_bias, weight, bias, eps: float, first: int):
+    """The ``head`` of ``norm_linear_forward(..., first)``, as it made it (the same calls on the same inputs)."""
+    xn = torch.native_layer_norm(x, [x.shape[-1]], norm_weight, norm_bias, eps)[0]
+    return _linear_rows(xn, weight, bias, 0, first)
 
 
 def norm_linear_backward(
@@ -105,9 +125,10 @@ class Bodies(NamedTuple):
     norm_linear_backward: object
     gated_output_forward: object
     gated_output_backward: object
+    rebuild_head: object
 
 
-EAGER = Bodies(norm_linear_forward, norm_linear_backward, gated_output_forward, gated_output_backward)
+EAGER = Bodies(norm_linear_forward, norm_linear_backward, gated_output_forward, gated_output_backward, rebuild_head)
 
 
 @functools.cache
@@ -119,15 +140,31 @@ def compiled_bodies(backend: str) -> Bodies:
 class NormLinear(torch.autograd.Function):
     """``x (total, D) -> split(Linear(LN(x)), sizes)``: saves x and the LN statistics, not LN(x).
 
-    Returns one view per entry of ``sizes`` into a single ``(total, sum(sizes))`` buffer.
+    Returns one view per entry of ``sizes`` into a single ``(total, sum(sizes))`` buffer; with ``own_first`` the
+    first piece has a buffer of its own (``recompute_u``: it can die while the others live).
     """
 
     @staticmethod
-    def forward(ctx, x, norm_weight, norm_bias, weight, bias, eps: float, sizes: list[int], bodies: Bodies):
-        out, mean, rstd = bodies.norm_linear_forward(x, norm_weight, norm_bias, weight, bias, eps)
+    def forward(
+        ctx,
+        x,
+        norm_weight,
+        norm_bias,
+        weight,
+        bias,
+        eps: float,
+        sizes: list[int],
+        bodies: Bodies,
+        own_first: bool = False,
+    ):
+        head, rest, mean, rstd = bodies.norm_linear_forward(
+            x, norm_weight, norm_bias, weight, bias, eps, sizes[0] if own_first else 0
+        )
         ctx.save_for_backward(x, mean, rstd, norm_weight, norm_bias, weight)
         ctx.eps, ctx.sizes, ctx.bodies = eps, sizes, bodies
-        return tuple(torch.split(out, sizes, dim=-1))
+        if own_first:
+            return head, *torch.split(rest, sizes[1:], dim=-1)
+        return tuple(torch.split(head, sizes, dim=-1))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -140,26 +177,52 @@ class NormLinear(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
 class GatedOutput(torch.autograd.Function):
     """``x + Linear([silu(u), a, gate(silu(u), LN(a), keep)])`` for ``x (total, D)``, ``u, a (total, n)``.
 
-    Saves u, a, the LN(a) statistics and the keep-mask (``None`` without dropout); rebuilds the rest.
+    Saves u, a, the LN(a) statistics and the keep-mask (``None`` without dropout); rebuilds the rest. With
+    ``rebuild_u`` (the input norm's weight, bias and eps and the input projection's weight and bias, u being the
+    first ``n`` columns of ``NormLinear`` of ``x``) it saves x instead of u and rebuilds u in the backward.
     """
 
     @staticmethod
-    def forward(ctx, x, u, a, norm_weight, norm_bias, weight, bias, eps: float, keep, p: float, bodies: Bodies):
+    def forward(
+        ctx,
+        x,
+        u,
+        a,
+        norm_weight,
+        norm_bias,
+        weight,
+        bias,
+        eps: float,
+        keep,
+        p: float,
+        bodies: Bodies,
+        rebuild_u: tuple | None = None,
+    ):
         out, mean, rstd = bodies.gated_output_forward(x, u, a, norm_weight, norm_bias, weight, bias, eps, keep, p)
-        ctx.save_for_backward(u, a, mean, rstd, norm_weight, norm_bias, weight, keep)
-        ctx.eps, ctx.p, ctx.bodies = eps, p, bodies
+        if rebuild_u is None:
+            ctx.save_for_backward(u, a, mean, rstd, norm_weight, norm_bias, weight, keep)
+        else:
+            in_norm_weight, in_norm_bias, in_eps, w_in, b_in = rebuild_u
+            ctx.save_for_backward(
+                x, a, mean, rstd, norm_weight, norm_bias, weight, keep, in_norm_weight, in_norm_bias, w_in, b_in
+            )
+            ctx.in_eps = in_eps
+        ctx.rebuild, ctx.eps, ctx.p, ctx.bodies = rebuild_u is not None, eps, p, bodies
         return out
 
     @staticmethod
     def backward(ctx, g):
-        u, a, mean, rstd, norm_weight, norm_bias, weight, keep = ctx.saved_tensors
+        u, a, mean, rstd, norm_weight, norm_bias, weight, keep, *inputs = ctx.saved_tensors
+        if ctx.rebuild:  # u is the first a.shape[-1] columns of the layer input's projection
+            u = ctx.bodies.rebuild_head(u, inputs[0], inputs[1], inputs[2], inputs[3], ctx.in_eps, a.shape[-1])
         grads = ctx.bodies.gated_output_backward(
             g, u, a, mean, rstd, norm_weight, norm_bias, weight, ctx.eps, keep, ctx.p
         )
-        return g, *grads, None, None, None, None
+        return g, *grads, None, None, None, None, None

@@ -54,6 +54,17 @@ def test_lean_layer_gives_the_plain_output_and_gradients(dropout):
     _assert_same_step(lean, plain)
 
 
+@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_lean_layer_rebuilding_u_gives_the_plain_output_and_gradients(dropout, compile):
+    # u from its own matmul (its quarter of the projection) and rebuilt in the backward: the plain layer's
+    # values to float32 rounding.
+    plain = _step(_stack(dropout, recompute=False, compile=False))
+    kw = dict(compile=True, compile_backend="aot_eager") if compile else dict(compile=False)
+    lean = _step(_stack(dropout, recompute=True, recompute_u=True, **kw))
+    _assert_same_step(lean, plain)
+
+
 def test_dropout_draws_differ_between_seeds():
     # Guards the dropout tests above: with another seed the mask, hence the output, must change.
     stack = _stack(0.3, recompute=True, compile=False)
@@ -99,6 +110,7 @@ def test_default_compiles_for_cuda_inputs_only():
         ("dropout", 1.0, "dropout: expected a probability in [0, 1), got 1.0"),
         ("embedding_dim", 0, "embedding_dim: expected a positive int, got 0"),
         ("recompute", "yes", "recompute: expected a bool, got str"),
+        ("recompute_u", 1, "recompute_u: expected a bool, got int"),
         ("compile", "auto", "compile: expected None (compile on CUDA only) or a bool, got str"),
         # Checked when the config is made: a string passes float() and breaks the first forward, an unknown kernel too.
         ("dropout", "0.1", "dropout: expected a real number, got str"),
@@ -109,6 +121,12 @@ def test_bad_config_names_the_field(field, value, words):
     with pytest.raises((ValueError, TypeError)) as err:
         STULayerConfig(**{field: value})
     assert str(err.value) == words
+
+
+def test_recompute_u_without_the_lean_body_is_named():
+    with pytest.raises(ValueError) as err:
+        STULayerConfig(recompute=False, recompute_u=True)
+    assert str(err.value) == "recompute_u: expected False without recompute (only the lean body rebuilds u), got True"
 
 
 @pytest.mark.parametrize(
@@ -181,19 +199,20 @@ def activation_bytes(fn, params) -> int:
 
 
 def lean_saved_bytes(total: int, cfg: STULayerConfig, itemsize: int, nseq: int) -> int:
-    """What one lean layer should save: x, uvqk, a; two norms' (mean, rstd) in fp32; the dropout keep-mask
-    (bool); the attention's int64 offsets."""
+    """What one lean layer should save: x, uvqk (vqk with recompute_u), a; two norms' (mean, rstd) in fp32; the
+    dropout keep-mask (bool); the attention's int64 offsets."""
     h, da, dh, d = cfg.num_heads, cfg.attention_dim, cfg.hidden_dim, cfg.embedding_dim
-    x, uvqk, a = total * d, total * h * (2 * dh + 2 * da), total * h * dh
+    x, uvqk, a = total * d, total * h * ((1 if cfg.recompute_u else 2) * dh + 2 * da), total * h * dh
     stats = 2 * 2 * total * 4
     keep = total * h * dh if cfg.dropout > 0 else 0
     return (x + uvqk + a) * itemsize + stats + keep + (nseq + 1) * 8
 
 
 @interpreting
+@pytest.mark.parametrize("recompute_u", [False, True])
 @pytest.mark.parametrize("dropout", [0.0, 0.2])
 @pytest.mark.parametrize("compile", [False, True])
-def test_lean_layer_saves_x_uvqk_and_attention_output_only(dropout, compile):
+def test_lean_layer_saves_x_uvqk_and_attention_output_only(dropout, compile, recompute_u):
     # The Triton kernel saves q, k, v as given (views of uvqk); the reference would add its padded copies.
     lengths = [40, 24]
     offs = offsets_from(lengths)
@@ -208,6 +227,7 @@ def test_lean_layer_saves_x_uvqk_and_attention_output_only(dropout, compile):
             dropout=dropout,
             kernel=Kernel.TRITON,
             recompute=recompute,
+            recompute_u=recompute_u and recompute,
             compile=compile,
             compile_backend="aot_eager",
         )
