@@ -16,9 +16,12 @@ Every time is device time of a CUDA-graph replay (no host work), the median of `
 ``triton.testing.do_bench``; spread = (max - min) / median of the repeats. ``ratio`` is time without the
 bias over time with it (1.0: free; the issue's target is at least 0.8 for forward+backward). Peak memory is
 ``torch.cuda.max_memory_allocated`` during one eager forward+backward, above what the inputs hold.
-Per-kernel device times (torch.profiler, eager calls) show where the bias's cost goes. ``--tiles`` times the
-calls with the bias again under other tiles: each variant is ``KERNEL=M,N,WARPS,STAGES`` joined by ``+``
-(kernels ``forward``, ``dq``, ``dkdv``), e.g. ``dkdv=32,64,4,2+forward=64,64,4,3``.
+``--rab`` also times the same bias given dense (``rab``, ``(B, 1, S, S)`` bf16 made from the tables with
+``dense_relative_bias``, its gradient in float32 in the kernels): what a caller that already holds a dense bias
+gets, against the tables. Per-kernel device times (torch.profiler, eager calls) show where the bias's cost
+goes. ``--tiles`` times the calls with the bias again under other tiles: each variant is
+``KERNEL=M,N,WARPS,STAGES`` joined by ``+`` (kernels ``forward``, ``dq``, ``dkdv``), e.g.
+``dkdv=32,64,4,2+forward=64,64,4,3``.
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ def run(name: str, mask: str, args) -> dict:
     from flexhstu import Kernel, hstu_mha, masks
     from flexhstu.bench.timing import captured
     from flexhstu.jagged import offsets_from_lengths
-    from flexhstu.ops.bias import RelativeBias
+    from flexhstu.ops.bias import RelativeBias, dense_relative_bias
 
     torch.manual_seed(0)
     lengths = [args.seq] * args.batch
@@ -86,10 +89,16 @@ def run(name: str, mask: str, args) -> dict:
     ts_w = (torch.randn(129, device="cuda") * 0.02).requires_grad_(True)
     bias = RelativeBias(pos_w, ts_w, timestamps(lengths, args.times).cuda())
     row = {"name": name, "times": args.times}
-    for label, rel_bias, leaves in (("plain", None, (q, k, v)), ("bias", bias, (q, k, v, pos_w, ts_w))):
+    runs = [("plain", {}, (q, k, v)), ("bias", {"rel_bias": bias}, (q, k, v, pos_w, ts_w))]
+    if args.rab:
+        with torch.no_grad():
+            rab = dense_relative_bias(bias, offs, n).to(torch.bfloat16)
+        rab.requires_grad_(True)
+        runs.append(("rab", {"rab": rab}, (q, k, v, rab)))
+    for label, extra, leaves in runs:
 
-        def fwd(rel_bias=rel_bias):
-            return hstu_mha(n, None, q, k, v, offs, kernel=Kernel.TRITON, rel_bias=rel_bias, **kw)
+        def fwd(extra=extra):
+            return hstu_mha(n, None, q, k, v, offs, kernel=Kernel.TRITON, **extra, **kw)
 
         def fb(fwd=fwd, leaves=leaves):
             return torch.autograd.grad(fwd(), leaves, dout)
@@ -139,6 +148,7 @@ def main() -> int:
         metavar="KERNEL=M,N,WARPS,STAGES[+...]",
         help="also time the calls with the bias under these tiles",
     )
+    p.add_argument("--rab", action="store_true", help="also the bias as a dense (B, 1, S, S) rab")
     p.add_argument("--json", default="")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -173,8 +183,14 @@ def main() -> int:
                 f"({r['plain_fwd_ms'] / r[f'bias_fwd_ms [{spec}]']:.2f}), fwd+bwd {r[f'bias_fb_ms [{spec}]']:.3f} ms "
                 f"({r['plain_fb_ms'] / r[f'bias_fb_ms [{spec}]']:.2f})"
             )
+        if args.rab:
+            print(
+                f"    dense rab: fwd {r['rab_fwd_ms']:.3f} ms ({r['plain_fwd_ms'] / r['rab_fwd_ms']:.2f}), fwd+bwd "
+                f"{r['rab_fb_ms']:.3f} ms ({r['plain_fb_ms'] / r['rab_fb_ms']:.2f}), peak {r['rab_peak_mib']:.0f} MiB",
+                flush=True,
+            )
         if args.kernels:
-            for label in ("plain", "bias"):
+            for label in ("plain", "bias", *(("rab",) if args.rab else ())):
                 print(f"    {label}: " + ", ".join(f"{k} {us:.0f} us" for k, us in r[f"{label}_kernels_us"].items()))
         if args.json:
             with open(args.json, "w") as fh:

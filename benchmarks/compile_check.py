@@ -4,7 +4,8 @@
     PYTHONPATH=$PWD python benchmarks/compile_check.py --quick   # D 128 and 96 only
 
 Every dim also compiles the kernels with the relative attention bias (``rel_bias``: HAS_BIAS, and
-BIAS_GRAD in the dK/dV kernel) for the causal, fixed-rule window and SLA masks; the lines show ``HAS_BIAS=True``.
+BIAS_GRAD in the dK/dV kernel) for the causal, fixed-rule window and SLA masks; the lines show ``HAS_BIAS=True``;
+and with a dense bias (``rab``: HAS_RAB, RAB_GRAD), shown as ``HAS_RAB=True``.
 
 The real entry point (``triton_hstu_mha``, forward and backward) runs on CPU tensors
 while ``JITFunction.run`` is replaced by a function that binds the launch arguments
@@ -38,7 +39,7 @@ from flexhstu.ops.triton import triton_hstu_mha
 TARGET = GPUTarget("cuda", 90, 32)
 BACKEND = make_backend(TARGET)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-SHOWN = ("MODE", "NFUNC", "DIM_QK", "DIM_V", "BLOCK_M", "BLOCK_N", "DOT_PRECISION", "HAS_BIAS")
+SHOWN = ("MODE", "NFUNC", "DIM_QK", "DIM_V", "BLOCK_M", "BLOCK_N", "DOT_PRECISION", "HAS_BIAS", "HAS_RAB")
 seen: set[str] = set()
 failures: list[str] = []
 
@@ -77,7 +78,7 @@ def compile_instead_of_launch(self, *args, grid, warmup, **kwargs):
     return None
 
 
-def run(dtype, dqk, dv, case, bias=False):
+def run(dtype, dqk, dv, case, bias=False, rab=False):
     lengths = [300, 77, 0, 129]
     offs = offsets_from_lengths(lengths)
     total = sum(lengths)
@@ -97,6 +98,9 @@ def run(dtype, dqk, dv, case, bias=False):
         tables = [torch.randn(599, requires_grad=True), torch.randn(2, 129, requires_grad=True)]
         kw["rel_bias"] = RelativeBias(*tables, torch.arange(total) * 1000)
         inputs += tables
+    if rab:  # a dense bias per head, with grad (the dK/dV kernel writes its gradient)
+        kw["rab"] = torch.randn(len(lengths), 2, 300, 300, requires_grad=True)
+        inputs.append(kw["rab"])
     out = triton_hstu_mha(q, k, v, offs, **kw)
     torch.autograd.grad(out, inputs, torch.randn(total, 2, dv, dtype=dtype))
 
@@ -114,6 +118,8 @@ def main() -> int:
         for case in ("causal", "fixed", "func3"):  # fixed: a window, so sparse (non-square) tiles
             print(f"## bf16 Dqk{dqk} Dv{dv} {case} with rel_bias", flush=True)
             run(torch.bfloat16, dqk, dv, case, bias=True)
+            print(f"## bf16 Dqk{dqk} Dv{dv} {case} with a dense rab", flush=True)
+            run(torch.bfloat16, dqk, dv, case, rab=True)
     torch.backends.cuda.matmul.allow_tf32 = False
     print("## fp32 IEEE dots, D 64, func3", flush=True)
     run(torch.float32, 64, 64, "func3")

@@ -38,8 +38,8 @@ def triton_unsupported_reason(
     ``q (total, H, Dqk)``, ``v (total, H, Dv)``; ``mask`` is the func or the fixed
     rule's parameters; ``dropout_pr`` is the rate applied (0.0 outside training);
     ``attn_scale`` the output scale, ``()`` or ``(total,)``, or None; ``bias`` the attention bias
-    (``rel_bias`` tables, which the kernels compute per tile, or a dense ``rab``, which they do not read),
-    or None.
+    (``rel_bias`` tables, which the kernels compute per tile, or a dense ``rab``, which they read per tile;
+    both run), or None.
     """
     if not _TRITON_INSTALLED:
         return "kernel: expected a backend that is installed (Kernel.TRITON needs triton: pip install 'flexhstu[gpu]')"
@@ -62,11 +62,6 @@ def triton_unsupported_reason(
         return (
             "attn_scale: expected a tensor that does not require grad for Kernel.TRITON (the kernels give it no "
             "gradient; Kernel.PYTORCH does), got requires_grad=True"
-        )
-    if isinstance(bias, torch.Tensor):
-        return (
-            f"rab: expected None for Kernel.TRITON (the kernels compute the relative bias from its tables: "
-            f"pass rel_bias), got {tuple(bias.shape)}"
         )
     if isinstance(mask, FixedRule) and not mask.causal:
         used = {

@@ -332,7 +332,15 @@ def _run_pytorch(c: _Call) -> torch.Tensor:
 def _run_triton(c: _Call) -> torch.Tensor:
     from .triton import triton_hstu_mha
 
-    common = dict(alpha=c.alpha, out_scale=1.0 / c.scaling, max_seq_len=c.max_seq_len, rel_bias=c.bias, plan=c.plan)
+    dense = isinstance(c.bias, torch.Tensor)
+    common = dict(
+        alpha=c.alpha,
+        out_scale=1.0 / c.scaling,
+        max_seq_len=c.max_seq_len,
+        plan=c.plan,
+        rel_bias=None if dense else c.bias,
+        rab=c.bias if dense else None,
+    )
     if c.attn_scale is not None:  # one float32 factor per row, as the kernels read it
         rows = c.attn_scale.to(torch.float32).expand(c.q.shape[0]).contiguous()
         common.update(out_scale=1.0, attn_scale=rows)

@@ -1,5 +1,6 @@
-"""The relative attention bias in the Triton kernels on CUDA: bf16 and fp16 kernels against the float32
-reference, output, dq, dk, dv and both tables' gradients, every mask family, S up to 8192.
+"""The relative attention bias in the Triton kernels on CUDA (from its tables, and dense: rab): bf16 and fp16
+kernels against the float32 reference, output, dq, dk, dv and both tables' gradients (or rab's), every mask
+family, S up to 8192.
 
     PYTHONPATH=$PWD python3 -m pytest tests/gpu/test_bias_gpu.py -q -rA
 
@@ -81,3 +82,31 @@ def test_bias_head_dims(dim):
 def test_bias_times_wider_than_int32_bf16(name):
     # Every chunk spans ~10^15 units: the kernels' exact int64 time path on sm_90, against the reference.
     bias_check([3001, 0, 517, 1024], 2, 128, torch.bfloat16, name, positions=1024, per_head=False, kind="wide")
+
+
+@pytest.mark.parametrize("name", ["causal", "sla 256/32", "random per-head 5"])
+@pytest.mark.parametrize("shared", [False, True])
+def test_dense_rab_in_the_kernels_matches_the_reference(name, shared):
+    # bf16 q, k, v and rab; rab padded with NaN past each sequence (never read); N above the longest length.
+    torch.manual_seed(0)
+    lengths, heads, dim = [1000, 0, 517, 1536], 4, 128
+    offs = offsets(lengths)
+    total, n = sum(lengths), max(lengths) + 64
+    kw = mask_kwargs(name, offs, lengths, heads)
+    q, k, v = (
+        torch.randn(total, heads, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
+    )
+    dout = torch.randn(total, heads, dim, device="cuda", dtype=torch.bfloat16)
+    rab = torch.full((len(lengths), 1 if shared else heads, n, n), float("nan"), device="cuda")
+    for b, length in enumerate(lengths):
+        rab[b, :, :length, :length] = torch.randn(rab.shape[1], length, length, device="cuda") * 0.5
+    rab = rab.bfloat16().requires_grad_(True)
+    out = flexhstu.hstu_mha(n, None, q, k, v, offs, rab=rab, kernel=Kernel.TRITON, **kw)
+    grads = torch.autograd.grad(out, (q, k, v, rab), dout)
+    leaves = [x.detach().float().requires_grad_(True) for x in (q, k, v, rab)]
+    ref = flexhstu.hstu_mha(n, None, *leaves[:3], offs, rab=leaves[3], kernel=Kernel.PYTORCH, **kw)
+    rgrads = torch.autograd.grad(ref, leaves, dout.float())
+    assert torch.isfinite(grads[3]).all()
+    errs = {"out": rel(out, ref)}
+    errs.update({w: rel(g, r) for w, g, r in zip(("dq", "dk", "dv", "drab"), grads, rgrads)})
+    check(f"rab {name} {'shared' if shared else 'per-head'} bf16 L={lengths}", errs)

@@ -49,7 +49,6 @@ UNSUPPORTED = {
         dict(attn_scale=torch.full((8,), 0.5, requires_grad=True)),
         r"attn_scale: expected a tensor that does not",
     ),
-    "rab": ({}, dict(rab=torch.zeros(2, 5, 5)), r"rab: expected None for Kernel.TRITON .*got \(2, 5, 5\)"),
     "non-causal-window": ({}, dict(causal=False, max_attn_len=2), r"causal: expected True with max_attn_len"),
     "non-causal-contextual": (
         {},
@@ -92,9 +91,10 @@ def test_predicate_accepts_what_triton_runs(shape_kw, call_kw, monkeypatch):
     assert triton_unsupported_reason(q, v, FixedRule(**call_kw), 0.0) is None
     assert triton_unsupported_reason(q, v, masks.causal(offsets_from(LENGTHS)), 0.0) is None
     assert triton_unsupported_reason(q, v, FixedRule(**call_kw), 0.0, attn_scale=torch.full((8,), 0.5)) is None
-    # The relative bias's tables run in the kernels (a dense rab does not: UNSUPPORTED).
+    # The relative bias runs in the kernels, from its tables or dense.
     tables = RelativeBias(torch.zeros(9), torch.zeros(129), torch.arange(8))
     assert triton_unsupported_reason(q, v, FixedRule(**call_kw), 0.0, bias=tables) is None
+    assert triton_unsupported_reason(q, v, FixedRule(**call_kw), 0.0, bias=torch.zeros(2, 5, 5)) is None
 
 
 def test_predicate_wants_cuda_outside_the_interpreter(monkeypatch):

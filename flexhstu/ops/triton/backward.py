@@ -27,6 +27,7 @@ from .block_tables import first_block, locate_block
 from .hulls import block_is_full, interval_visibility
 from .memory import load_rows, store_rows, tile_mask, tile_ptrs
 from .query_major import key_block_scores, query_major_program
+from .rab_tiles import add_rab, rab_base, store_rab_grad
 from .row_intervals import MODE_CAUSAL, causal_bounds, head_func, sequence_targets
 from .silu import finite_below, sigmoid
 
@@ -35,11 +36,14 @@ from .silu import finite_below, sigmoid
 def dq_block(q, do, K, V, h, seq_start, L, n0, rows, alpha, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr,
              DIM_V: tl.constexpr, TILE_QK: tl.constexpr, TILE_V: tl.constexpr, CAUSAL_MASK: tl.constexpr,
              FAST_SIGMOID: tl.constexpr, FLOOR_SCORES: tl.constexpr, DOT_PRECISION: tl.constexpr, BIAS=None, BROWS=None,
-             HAS_BIAS: tl.constexpr = False, WIDE_TIMES: tl.constexpr = False):
+             HAS_BIAS: tl.constexpr = False, WIDE_TIMES: tl.constexpr = False, RAB=None, RAB_BASE=None,
+             HAS_RAB: tl.constexpr = False):
     """Key block ``n0``: ``(dS / c, k)`` with ``dS / c = (do v^T) silu'(s)``, zeroed above the diagonal
-    when CAUSAL_MASK; ``s`` includes the relative bias when HAS_BIAS (as ``attend``)."""
+    when CAUSAL_MASK; ``s`` includes the relative bias when HAS_BIAS and the dense one when HAS_RAB (as
+    ``attend``)."""
     cols, k, v, s = key_block_scores(q, K, V, h, seq_start, L, n0, rows, alpha, BLOCK_N, DIM_QK, DIM_V, TILE_QK,
-                                     TILE_V, FLOOR_SCORES, DOT_PRECISION, BIAS, BROWS, HAS_BIAS, WIDE_TIMES)
+                                     TILE_V, FLOOR_SCORES, DOT_PRECISION, BIAS, BROWS, HAS_BIAS, WIDE_TIMES, RAB,
+                                     RAB_BASE, HAS_RAB)
     sig = sigmoid(s, FAST_SIGMOID)
     ds = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION) * sig * (1.0 + s * (1.0 - sig))
     if CAUSAL_MASK:
@@ -56,19 +60,19 @@ def hstu_backward_dq_kernel(
     FAST_SIGMOID: tl.constexpr, FLOOR_SCORES: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr, DIM_V: tl.constexpr,
     TILE_QK: tl.constexpr, TILE_V: tl.constexpr,
-    BIAS=None, HAS_BIAS: tl.constexpr = False,
+    BIAS=None, HAS_BIAS: tl.constexpr = False, RAB=None, HAS_RAB: tl.constexpr = False,
 ):
     """``Q``, ``K``, ``DQ``: ``Jagged (total, H, DIM_QK)``; ``V``, ``DO``: ``Jagged (total, H, DIM_V)``;
     ``ATTN_SCALE``: float32 ``(total,)``, each query row's factor of dS (read when HAS_ATTN_SCALE);
-    ``BIAS``: ``bias.Bias``, added to the scores when HAS_BIAS (its gradients come from the dK/dV kernel);
-    grid ``(n_flat, H)``."""
+    ``BIAS``: ``bias.Bias``, added to the scores when HAS_BIAS, ``RAB`` (``rab_tiles.Rab``) when HAS_RAB (their
+    gradients come from the dK/dV kernel); grid ``(n_flat, H)``."""
     query_major_program(
         Q=Q, DO=DO, K=K, V=V, OUT=DQ, func=func, rule=rule, OFFS=OFFS, QTAB=QTAB, n_flat=n_flat, alpha=alpha,
         out_scale=dq_scale, ROW_SCALE=ATTN_SCALE, HAS_ROW_SCALE=HAS_ATTN_SCALE, BLOCK_FN=dq_block, WITH_DO=True,
         NFUNC=NFUNC, MODE=MODE, HAS_TARGETS=HAS_TARGETS, INTERVALS_POW2=INTERVALS_POW2, FAST_SIGMOID=FAST_SIGMOID,
         FLOOR_SCORES=FLOOR_SCORES,
         DOT_PRECISION=DOT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK,
-        TILE_V=TILE_V, BIAS=BIAS, HAS_BIAS=HAS_BIAS)
+        TILE_V=TILE_V, BIAS=BIAS, HAS_BIAS=HAS_BIAS, RAB=RAB, HAS_RAB=HAS_RAB)
 
 
 @triton.jit
@@ -83,6 +87,8 @@ def hstu_backward_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr, DIM_V: tl.constexpr,
     TILE_QK: tl.constexpr, TILE_V: tl.constexpr,
     BIAS=None, HAS_BIAS: tl.constexpr = False, BIAS_GRAD: tl.constexpr = False, WIDE_PASS: tl.constexpr = False,
+    RAB=None, DRAB=None, HAS_RAB: tl.constexpr = False, RAB_GRAD: tl.constexpr = False,
+    RAB_SHARED: tl.constexpr = False,
 ):
     """1-D grid ``(n_workers + n_kblocks) * n_heads``: first ``n_workers`` programs per head (heads
     interleaved), each taking every ``n_workers``-th item of the head's split list (``ITEM_KB``, ``ITEM_LO``,
@@ -96,7 +102,10 @@ def hstu_backward_dkdv_kernel(
     (``launch.bias_passes``): WIDE_PASS False runs the key blocks of sequences without a wide chunk, True those
     with one, with the int64 path compiled in (``bias_tiles.add_bias``); the other programs return at once.
     Two launches rather than two copies of the loop: the common copy does not carry the wide one's
-    registers, which spill at 255 a thread."""
+    registers, which spill at 255 a thread.
+    ``RAB``: ``rab_tiles.Rab``, a dense bias added to the scores when HAS_RAB; with RAB_GRAD each pair's ``dS``
+    is written into ``DRAB`` (float32, ``rab_tiles.Rab`` of a zeroed buffer), added atomically when
+    RAB_SHARED (one bias row for every head)."""
     pid = tl.program_id(0)
     worker = pid < n_workers * n_heads
     if worker:  # every n_workers-th item of its head's list
@@ -109,14 +118,15 @@ def hstu_backward_dkdv_kernel(
                        chunk, alpha, dk_scale, dv_scale, ATTN_SCALE, HAS_ATTN_SCALE, NFUNC, MODE, HAS_TARGETS,
                        INTERVALS_POW2, FAST_SIGMOID, FLOOR_SCORES, DOT_PRECISION, BLOCK_M, BLOCK_N, DIM_QK, DIM_V,
                        TILE_QK, TILE_V,
-                       BIAS, HAS_BIAS, BIAS_GRAD, WIDE_PASS)
+                       BIAS, HAS_BIAS, BIAS_GRAD, WIDE_PASS, RAB, DRAB, HAS_RAB, RAB_GRAD, RAB_SHARED)
     else:  # a key block: the first piece of its range
         r = pid - n_workers * n_heads
         _key_block(Q, K, V, DO, DK, DV, func, rule, OFFS, KTAB, BOUNDS, QLO, QHI, 0, 0, False, r % n_kblocks,
                    r // n_kblocks, plan_head, n_qblocks, n_kblocks, chunk, alpha, dk_scale, dv_scale, ATTN_SCALE,
                    HAS_ATTN_SCALE, NFUNC, MODE, HAS_TARGETS, INTERVALS_POW2, FAST_SIGMOID, FLOOR_SCORES,
                    DOT_PRECISION, BLOCK_M,
-                   BLOCK_N, DIM_QK, DIM_V, TILE_QK, TILE_V, BIAS, HAS_BIAS, BIAS_GRAD, WIDE_PASS)
+                   BLOCK_N, DIM_QK, DIM_V, TILE_QK, TILE_V, BIAS, HAS_BIAS, BIAS_GRAD, WIDE_PASS, RAB, DRAB, HAS_RAB,
+                   RAB_GRAD, RAB_SHARED)
 
 
 @triton.jit
@@ -128,7 +138,8 @@ def _key_block(Q, K, V, DO, DK, DV, func, rule, OFFS, KTAB, BOUNDS, QLO, QHI, it
                DOT_PRECISION: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr, DIM_V: tl.constexpr,
                TILE_QK: tl.constexpr, TILE_V: tl.constexpr, BIAS, HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr,
-               WIDE_PASS: tl.constexpr):
+               WIDE_PASS: tl.constexpr, RAB, DRAB, HAS_RAB: tl.constexpr, RAB_GRAD: tl.constexpr,
+               RAB_SHARED: tl.constexpr):
     """dK, dV of key block ``kflat`` over one piece of its query range: a worker's item ``[item_lo, item_hi)``
     (WORKER), or the key block's own program's first piece (the whole range when it holds at most ``chunk`` query
     blocks, written with plain stores; else added atomically, as every worker's piece). Two copies in the kernel:
@@ -167,6 +178,10 @@ def _key_block(Q, K, V, DO, DK, DV, func, rule, OFFS, KTAB, BOUNDS, QLO, QHI, it
         acc_v = tl.zeros((BLOCK_N, TILE_V), dtype=tl.float32)
         if HAS_BIAS:
             bi, bmin, bmax, base_b = bias_cols(BIAS, seq_start, L, cols, n0)
+        if HAS_RAB:
+            rab_b = rab_base(RAB, seq, h)
+        if RAB_GRAD:
+            drab_b = rab_base(DRAB, seq, h)
         for qb in range(lo, hi):
             m0 = qb * BLOCK_M
             rows = m0 + tl.arange(0, BLOCK_M)
@@ -190,6 +205,8 @@ def _key_block(Q, K, V, DO, DK, DV, func, rule, OFFS, KTAB, BOUNDS, QLO, QHI, it
                 if m0 < L:  # always: keeps the pipeliner off the bias loads (bias.PIPELINE_GUARD)
                     s = add_bias(s, BIAS, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, True,
                                  WIDE_PASS)
+            if HAS_RAB:
+                s = add_rab(s, RAB, rab_b, L, rows, cols, True)
             if FLOOR_SCORES:
                 s = finite_below(s)
             sig = sigmoid(s, FAST_SIGMOID)
@@ -203,7 +220,10 @@ def _key_block(Q, K, V, DO, DK, DV, func, rule, OFFS, KTAB, BOUNDS, QLO, QHI, it
             # at once (s and sig die here), which keeps this kernel from spilling.
             p = p.to(do.dtype)
             dp = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-            ds = (dp * dsilu).to(q.dtype)
+            ds = dp * dsilu
+            if RAB_GRAD:
+                ds32 = ds  # the dense bias's gradient, from float32 dS
+            ds = ds.to(q.dtype)
             if not block_is_full(n0, n1, clo, chi):
                 # Intervals are re-read here rather than held in registers: along this kernel's
                 # transposed tile a row vector costs ~16 registers a thread (measured slower).
@@ -216,6 +236,10 @@ def _key_block(Q, K, V, DO, DK, DV, func, rule, OFFS, KTAB, BOUNDS, QLO, QHI, it
                         HAS_TARGETS=HAS_TARGETS, INTERVALS_POW2=INTERVALS_POW2, BLOCK_N=BLOCK_N, TRANS=True)
                 p = tl.where(vis, p, 0.0)
                 ds = tl.where(vis, ds, 0.0)
+                if RAB_GRAD:
+                    ds32 = tl.where(vis, ds32, 0.0)
+            if RAB_GRAD:
+                store_rab_grad(DRAB, drab_b, L, rows, cols, ds32 * dv_scale, True, RAB_SHARED)
             if BIAS_GRAD:
                 bias_grad(BIAS, h, seq_start, L, ds, rows, cols, ai, bi, d, b_lo, b_hi, dv_scale,
                           DOT_PRECISION, True, WIDE_PASS)

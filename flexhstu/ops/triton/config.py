@@ -44,8 +44,10 @@ def default_tiles(dim_qk: int, dim_v: int, interpreting: bool, sparse: bool = Fa
     against 510. The interpreter gets small, unequal blocks so the CPU tests cross many blocks, with another
     shape for sparse masks so both tile families are tested.
 
-    ``bias``: the call adds a relative attention bias, whose per-tile work and table gradients need registers
-    the plain tiles do not leave: the dK/dV kernel takes 32 query rows and two stages, and at D <= 64 the
+    ``bias``: the call adds a relative attention bias (from its tables, or a dense ``rab``: sm_90 spills of the
+    rab kernels at D 128 fall from 704-936 to 184-312 bytes in the dK/dV kernel and to 0 at D 64 with these
+    tiles, ``benchmarks/compile_check.py``), whose per-tile work and gradients need registers the plain tiles
+    do not leave: the dK/dV kernel takes 32 query rows and two stages, and at D <= 64 the
     forward and dQ kernels also take 64 x 64 tiles of 4 warps. H200, forward+backward B4 S8192 H4
     (``benchmarks/bench_bias.py --tiles``), these tiles against the plain ones: D 128 causal 10.3 ms against
     14.7, SLA 256/32 3.42 against 4.49; D 64 causal 7.4 against 24.0, SLA 2.5 against 9.5; D 32 causal 6.7

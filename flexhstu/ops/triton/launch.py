@@ -15,6 +15,7 @@ from .config import Tiles, tiles
 from .debug import poisoning
 from .forward import hstu_forward_kernel
 from .limits import tile_dim
+from .rab_tiles import rab_args
 from .row_intervals import BIG, MODE_CAUSAL, MODE_FIXED, MODE_FUNC
 
 _NEVER_SPLIT = int(BIG)
@@ -56,15 +57,16 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "tf32"
 
 
-def _attention_args(q, k, v, offs, vis: Visibility, alpha: float, interpreting: bool) -> dict:
+def _attention_args(q, k, v, offs, vis: Visibility, alpha: float, interpreting: bool, biased: bool = False) -> dict:
     """Arguments of the three attention kernels: Q, K, V, the mask, the head dims, the sigmoid switch
     (tanh.approx on the GPU; the interpreter has no inline PTX), the dot precision, and FLOOR_SCORES: with
-    ``|alpha| > 1`` a finite ``q.k`` can overflow to -inf in ``alpha q.k``, so the scores are floored
-    (``silu.finite_below``); with ``|alpha| <= 1`` it cannot, and the kernels skip that step."""
+    ``|alpha| > 1`` a finite ``q.k`` can overflow to -inf in ``alpha q.k``, and with a bias (``biased``: tables or
+    a dense rab) a score can be -inf whatever alpha (a -inf entry hiding a pair), so the scores are floored
+    (``silu.finite_below``); with ``|alpha| <= 1`` and no bias they cannot, and the kernels skip that step."""
     dqk, dv = q.shape[2], v.shape[2]
     return dict(Q=jagged(q), K=jagged(k), V=jagged(v), OFFS=offs, alpha=alpha, DIM_QK=dqk, DIM_V=dv,
                 TILE_QK=tile_dim(dqk), TILE_V=tile_dim(dv), FAST_SIGMOID=not interpreting,
-                FLOOR_SCORES=abs(alpha) > 1.0, DOT_PRECISION=dot_precision(q.dtype), **vis.kernel_args(offs))
+                FLOOR_SCORES=abs(alpha) > 1.0 or biased, DOT_PRECISION=dot_precision(q.dtype), **vis.kernel_args(offs))
 
 
 def _scale_args(attn_scale: torch.Tensor | None, offs: torch.Tensor) -> dict:
@@ -75,6 +77,11 @@ def _scale_args(attn_scale: torch.Tensor | None, offs: torch.Tensor) -> dict:
 def _bias_args(bias: bias_tables.Prepared | None) -> dict:
     """The relative bias's kernel arguments (none without one: the kernels compile as before)."""
     return {} if bias is None else dict(BIAS=bias.args, HAS_BIAS=True)
+
+
+def _rab_args(rab: torch.Tensor | None) -> dict:
+    """A dense bias's kernel arguments (none without one)."""
+    return {} if rab is None else dict(RAB=rab_args(rab), HAS_RAB=True)
 
 
 def bias_passes(bias: bias_tables.Prepared | None) -> tuple[dict, ...]:
@@ -99,10 +106,12 @@ def call_tiles(q: torch.Tensor, v: torch.Tensor, vis: Visibility, bias: bool = F
 
 def forward(q, k, v, offs, vis: Visibility, alpha: float, out_scale: float,
             attn_scale: torch.Tensor | None = None, plan: BlockPlan | None = None,
-            tile_set: Tiles | None = None, bias: bias_tables.Prepared | None = None) -> torch.Tensor:
+            tile_set: Tiles | None = None, bias: bias_tables.Prepared | None = None,
+            rab: torch.Tensor | None = None) -> torch.Tensor:
     """``out_scale`` scales every row; with ``attn_scale`` (float32 ``(total,)``) row ``t`` is scaled by
     ``attn_scale[t]`` instead. ``tile_set``: the call's tiles (``call_tiles`` when None). ``bias``: a
-    relative bias (``bias.prepare``) added to the scores."""
+    relative bias (``bias.prepare``) added to the scores; ``rab``: a dense one, ``(B, [1 or H,] N, N)``
+    (``rab_tiles``)."""
     q, k, v = _last_dim_contiguous(q, k, v)
     total, nheads, _ = q.shape
     out = _new_like(q, total, nheads, v.shape[2])
@@ -111,13 +120,15 @@ def forward(q, k, v, offs, vis: Visibility, alpha: float, out_scale: float,
     if offs.numel() == 1:  # no sequence (unchecked on CUDA): no row sees anything
         return out.zero_()
     interpreting = _interpreting()
-    tile = (tile_set or call_tiles(q, v, vis, bias is not None)).forward
+    tile = (tile_set or call_tiles(q, v, vis, bias is not None or rab is not None)).forward
     plan = plan if plan is not None else BlockPlan(offs, total, vis)
     offs = plan.offs  # safe offsets (BlockPlan.offs): the kernels never follow the caller's
     qtab, nqb = plan.tables.table(tile.block_m)
     hstu_forward_kernel[(nqb, nheads)](
-        **_attention_args(q, k, v, offs, vis, alpha, interpreting), **tile.launch(),
-        **_scale_args(attn_scale, offs), **_bias_args(bias), OUT=jagged(out), QTAB=qtab, n_flat=nqb,
+        **_attention_args(q, k, v, offs, vis, alpha, interpreting, bias is not None or rab is not None),
+        **tile.launch(),
+        **_scale_args(attn_scale, offs), **_bias_args(bias), **_rab_args(rab), OUT=jagged(out), QTAB=qtab,
+        n_flat=nqb,
         out_scale=1.0 if attn_scale is not None else out_scale,
     )
     return out
@@ -125,9 +136,11 @@ def forward(q, k, v, offs, vis: Visibility, alpha: float, out_scale: float,
 
 def backward(dout, q, k, v, offs, vis: Visibility, alpha: float, out_scale: float, max_seq_len: int,
              attn_scale: torch.Tensor | None = None, plan: BlockPlan | None = None, tile_set: Tiles | None = None,
-             bias: bias_tables.Prepared | None = None):
+             bias: bias_tables.Prepared | None = None, rab: torch.Tensor | None = None,
+             drab: torch.Tensor | None = None):
     """dq, dk, dv; with ``bias`` the scores include it, and when its gradient buffers are allocated
-    (``bias.prepare(with_grads=True)``) the dK/dV kernel adds the tables' gradients into them."""
+    (``bias.prepare(with_grads=True)``) the dK/dV kernel adds the tables' gradients into them. With ``rab`` the
+    scores include the dense bias; ``drab`` (float32 zeros of ``rab``'s shape, or None) receives its gradient."""
     dout, q, k, v = _last_dim_contiguous(dout, q, k, v)
     total, nheads, _ = q.shape
     dq = _new_like(q)
@@ -136,15 +149,15 @@ def backward(dout, q, k, v, offs, vis: Visibility, alpha: float, out_scale: floa
     if offs.numel() == 1:  # no sequence (unchecked on CUDA): no gradient
         return dq.zero_(), torch.zeros_like(k), torch.zeros_like(v)
     interpreting = _interpreting()
-    _, tq, tkv = tile_set or call_tiles(q, v, vis, bias is not None)
+    _, tq, tkv = tile_set or call_tiles(q, v, vis, bias is not None or rab is not None)
     plan = plan if plan is not None else BlockPlan(offs, total, vis)
     offs = plan.offs  # safe offsets (BlockPlan.offs): the kernels never follow the caller's
-    args = _attention_args(q, k, v, offs, vis, alpha, interpreting)
+    args = _attention_args(q, k, v, offs, vis, alpha, interpreting, bias is not None or rab is not None)
     args.update(_scale_args(attn_scale, offs))
     scale = 1.0 if attn_scale is not None else out_scale  # attn_scale replaces out_scale, row by row
     qtab, nqb = plan.tables.table(tq.block_m)
     hstu_backward_dq_kernel[(nqb, nheads)](
-        **args, **tq.launch(), **_bias_args(bias),
+        **args, **tq.launch(), **_bias_args(bias), **_rab_args(rab),
         DO=jagged(dout), DQ=jagged(dq), QTAB=qtab, n_flat=nqb, dq_scale=alpha * scale,
     )
     # Key-major pass: its query blocks (BLOCK_M) and key blocks (BLOCK_N) index the plan.
@@ -175,6 +188,11 @@ def backward(dout, q, k, v, offs, vis: Visibility, alpha: float, out_scale: floa
     lists = dict(ITEM_KB=split.kb, ITEM_LO=split.lo, ITEM_HI=split.hi, NITEMS=split.n, item_cap=split.cap) if split \
         else dict(ITEM_KB=km.ktab, ITEM_LO=km.ktab, ITEM_HI=km.ktab, NITEMS=km.ktab, item_cap=0)
     grads = {"BIAS_GRAD": True} if bias is not None and bias.args.dpos.numel() else {}
+    if rab is not None:
+        grads.update(_rab_args(rab))
+        if drab is not None:
+            shared = nheads > 1 and (drab.dim() == 3 or drab.shape[1] == 1)  # the heads' programs meet
+            grads.update(DRAB=rab_args(drab), RAB_GRAD=True, RAB_SHARED=shared)
     for bias_kw in bias_passes(bias):
         hstu_backward_dkdv_kernel[((n_workers + km.n_kblocks) * nheads,)](
             **args, **tkv.launch(), **bias_kw, **grads, **lists,

@@ -30,6 +30,12 @@ def _table_grads(pos_w, ts_w, timestamps, prep) -> tuple[torch.Tensor, torch.Ten
     return bias_tables.table_grads(RelativeBias(pos_w, ts_w, timestamps), prep)
 
 
+def _rab_grad_buffer(rab: torch.Tensor | None, wanted: bool) -> torch.Tensor | None:
+    """Float32 zeros of ``rab``'s shape that the dK/dV kernel writes the dense bias's gradient into (every pair it
+    does not visit, hidden or outside a sequence, keeps its 0), or None."""
+    return torch.zeros(rab.shape, dtype=torch.float32, device=rab.device) if rab is not None and wanted else None
+
+
 def _inputs_of(fn, name: str) -> type:
     """A NamedTuple of ``fn``'s parameters in order (``ctx`` left out): autograd's per-input tuples
     (``needs_input_grad``, the gradients returned) read and written by name, so a parameter added to ``fn``
@@ -54,11 +60,13 @@ def _hstu_mha_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offsets
                   func: torch.Tensor | None, num_targets: torch.Tensor | None, attn_scale: torch.Tensor | None,
                   mode: int, contextual: int, window: int, min_full: int, sparse: bool, alpha: float,
                   out_scale: float, max_seq_len: int, pos_w: torch.Tensor | None = None,
-                  ts_w: torch.Tensor | None = None, timestamps: torch.Tensor | None = None) -> torch.Tensor:
-    """``pos_w``, ``ts_w``, ``timestamps``: a relative bias (``flexhstu.ops.bias.RelativeBias``), or three Nones."""
+                  ts_w: torch.Tensor | None = None, timestamps: torch.Tensor | None = None,
+                  rab: torch.Tensor | None = None) -> torch.Tensor:
+    """``pos_w``, ``ts_w``, ``timestamps``: a relative bias (``flexhstu.ops.bias.RelativeBias``), or three Nones;
+    ``rab``: a dense bias (``rab_tiles``), or None."""
     vis = Visibility(mode, func, num_targets, contextual, window, min_full, sparse)
     bias = _prepared(q, seq_offsets, pos_w, ts_w, timestamps, with_grads=False)
-    return forward(q, k, v, seq_offsets, vis, alpha, out_scale, attn_scale, bias=bias)
+    return forward(q, k, v, seq_offsets, vis, alpha, out_scale, attn_scale, bias=bias, rab=rab)
 
 
 hstu_mha_fwd = torch.library.custom_op("flexhstu::hstu_mha_fwd", _hstu_mha_fwd, mutates_args=())
@@ -67,7 +75,7 @@ _FwdInputs = _inputs_of(_hstu_mha_fwd, "_FwdInputs")
 
 @hstu_mha_fwd.register_fake
 def _(q, k, v, seq_offsets, func, num_targets, attn_scale, mode, contextual, window, min_full, sparse, alpha,
-      out_scale, max_seq_len, pos_w=None, ts_w=None, timestamps=None):
+      out_scale, max_seq_len, pos_w=None, ts_w=None, timestamps=None, rab=None):
     return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
 
 
@@ -77,24 +85,34 @@ def hstu_mha_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                  mode: int, contextual: int, window: int, min_full: int, sparse: bool, alpha: float,
                  out_scale: float, max_seq_len: int, pos_w: torch.Tensor | None = None,
                  ts_w: torch.Tensor | None = None, timestamps: torch.Tensor | None = None, table_grads: bool = False,
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv and the gradients of ``pos_w`` and ``ts_w`` (with ``table_grads``; else empty tensors)."""
+                 rab: torch.Tensor | None = None, rab_grad: bool = False,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv, the gradients of ``pos_w`` and ``ts_w`` (with ``table_grads``; else empty tensors) and of
+    ``rab`` (with ``rab_grad``; else an empty tensor)."""
     vis = Visibility(mode, func, num_targets, contextual, window, min_full, sparse)
     bias = _prepared(q, seq_offsets, pos_w, ts_w, timestamps, with_grads=table_grads)
-    dq, dk, dv = backward(dout, q, k, v, seq_offsets, vis, alpha, out_scale, max_seq_len, attn_scale, bias=bias)
+    drab = _rab_grad_buffer(rab, rab_grad)
+    dq, dk, dv = backward(dout, q, k, v, seq_offsets, vis, alpha, out_scale, max_seq_len, attn_scale, bias=bias,
+                          rab=rab, drab=drab)
+    d_rab = q.new_empty(0) if drab is None else drab.to(rab.dtype)
     if pos_w is None or not table_grads:
-        return dq, dk, dv, q.new_empty(0), q.new_empty(0)
-    return dq, dk, dv, *_table_grads(pos_w, ts_w, timestamps, bias)
+        return dq, dk, dv, q.new_empty(0), q.new_empty(0), d_rab
+    return dq, dk, dv, *_table_grads(pos_w, ts_w, timestamps, bias), d_rab
 
 
 @hstu_mha_bwd.register_fake
 def _(dout, q, k, v, seq_offsets, func, num_targets, attn_scale, mode, contextual, window, min_full, sparse,
-      alpha, out_scale, max_seq_len, pos_w=None, ts_w=None, timestamps=None, table_grads=False):
+      alpha, out_scale, max_seq_len, pos_w=None, ts_w=None, timestamps=None, table_grads=False, rab=None,
+      rab_grad=False):
     if pos_w is None or not table_grads:
         tables = (q.new_empty(0), q.new_empty(0))
     else:
         tables = (torch.empty_like(pos_w), torch.empty_like(ts_w))
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), *tables
+    # Contiguous, as the real op's (a float32 buffer cast), whatever rab's strides.
+    d_rab = q.new_empty(0)
+    if rab is not None and rab_grad:
+        d_rab = torch.empty(rab.shape, dtype=rab.dtype, device=rab.device)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), *tables, d_rab
 
 
 def _setup_context(ctx, inputs, output):
@@ -111,10 +129,11 @@ def _backward(ctx, dout):
     inputs = _FwdInputs(**dict(zip(ctx.tensor_names, ctx.saved_tensors)), **ctx.rest)
     needs = _needs_grad(_FwdInputs, ctx)
     table_grads = inputs.pos_w is not None and (needs.pos_w or needs.ts_w)
-    dq, dk, dv, dpos, dts = hstu_mha_bwd(dout, **inputs._asdict(), table_grads=table_grads)
+    rab_grad = inputs.rab is not None and needs.rab
+    dq, dk, dv, dpos, dts, d_rab = hstu_mha_bwd(dout, **inputs._asdict(), table_grads=table_grads, rab_grad=rab_grad)
     if not table_grads:
         dpos = dts = None
-    return _grads(_FwdInputs, q=dq, k=dk, v=dv, pos_w=dpos, ts_w=dts)
+    return _grads(_FwdInputs, q=dq, k=dk, v=dv, pos_w=dpos, ts_w=dts, rab=d_rab if rab_grad else None)
 
 
 hstu_mha_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -127,29 +146,32 @@ class _HstuAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, offs, func, num_targets, attn_scale, plan, alpha, out_scale, max_seq_len,
-                pos_w=None, ts_w=None, timestamps=None):
+                pos_w=None, ts_w=None, timestamps=None, rab=None):
         bias = _prepared(q, offs, pos_w, ts_w, timestamps, with_grads=False)
-        tile_set = call_tiles(q, v, plan.vis, bias is not None)
-        out = forward(q, k, v, offs, plan.vis, alpha, out_scale, attn_scale, plan, tile_set, bias)
-        ctx.save_for_backward(q, k, v, offs, func, num_targets, attn_scale)  # the mask too: what backward reads
+        tile_set = call_tiles(q, v, plan.vis, bias is not None or rab is not None)
+        out = forward(q, k, v, offs, plan.vis, alpha, out_scale, attn_scale, plan, tile_set, bias, rab)
+        # The mask too: what backward reads.
+        ctx.save_for_backward(q, k, v, offs, func, num_targets, attn_scale, rab)
         ctx.rest = (plan, alpha, out_scale, max_seq_len, tile_set, bias, (pos_w, ts_w, timestamps))
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, offs, _, _, attn_scale = ctx.saved_tensors
+        q, k, v, offs, _, _, attn_scale, rab = ctx.saved_tensors
         plan, alpha, out_scale, max_seq_len, tile_set, bias, tables = ctx.rest
         pos_w, ts_w, timestamps = tables
         needs = _needs_grad(_EagerInputs, ctx)
         table_grads = pos_w is not None and (needs.pos_w or needs.ts_w)
         if bias is not None and table_grads:
             bias = bias_tables.with_grad_buffers(bias)
+        drab = _rab_grad_buffer(rab, needs.rab)
         dq, dk, dv = backward(dout, q, k, v, offs, plan.vis, alpha, out_scale, max_seq_len, attn_scale, plan,
-                              tile_set, bias)
+                              tile_set, bias, rab, drab)
         dpos = dts = None
         if table_grads:
             dpos, dts = _table_grads(pos_w, ts_w, timestamps, bias)
-        return _grads(_EagerInputs, q=dq, k=dk, v=dv, pos_w=dpos, ts_w=dts)
+        return _grads(_EagerInputs, q=dq, k=dk, v=dv, pos_w=dpos, ts_w=dts,
+                      rab=None if drab is None else drab.to(rab.dtype))
 
 
 _EagerInputs = _inputs_of(_HstuAttention.forward, "_EagerInputs")
@@ -173,7 +195,7 @@ def triton_hstu_mha(q, k, v, seq_offsets, *, func=None, num_targets=None, causal
                     contextual: int = 0, window: int = 0, min_full: int = 0,
                     alpha: float, out_scale: float, max_seq_len: int,
                     attn_scale: torch.Tensor | None = None, plan=None,
-                    rel_bias: RelativeBias | None = None) -> torch.Tensor:
+                    rel_bias: RelativeBias | None = None, rab: torch.Tensor | None = None) -> torch.Tensor:
     """Dispatch to the custom op. ``func`` given: the func decides; else causal or the fixed rule in closed form.
 
     q, k: ``(total, H, Dqk)``, v: ``(total, H, Dv)``, any strides (a non-unit last stride costs a copy);
@@ -197,7 +219,9 @@ def triton_hstu_mha(q, k, v, seq_offsets, *, func=None, num_targets=None, causal
 
     ``rel_bias``: a ``flexhstu.ops.bias.RelativeBias`` (checked by the caller, ``check_relative_bias``), added
     to the scores before the silu, computed per tile from its tables (``flexhstu.ops.triton.bias_tiles``); the
-    tables get gradients when they require them, the timestamps never.
+    tables get gradients when they require them, the timestamps never. ``rab``: a dense bias instead, ``(B, N,
+    N)`` or ``(B, 1 or H, N, N)`` with ``N = max_seq_len`` (checked by the caller, ``check_rab``), read per tile
+    (``flexhstu.ops.triton.rab_tiles``), with a gradient when it requires one.
     """
     for name, d in (("q.shape[2] (Dqk)", q.shape[2]), ("v.shape[2] (Dv)", v.shape[2])):
         if not head_dim_supported(d):
@@ -209,6 +233,8 @@ def triton_hstu_mha(q, k, v, seq_offsets, *, func=None, num_targets=None, causal
                                causal_closed_form=causal_closed_form, contextual=contextual, window=window,
                                min_full=min_full)
     tables = (None, None, None) if rel_bias is None else tuple(rel_bias)
+    if rab is not None and rab.stride(-1) != 1:  # the kernels read rows of it; any other layout is copied once
+        rab = rab.contiguous()
     # The kernels read offsets and num_targets as plain int64 / int arrays (no strides): made so here, once.
     offs = seq_offsets.to(torch.int64).contiguous()
     if torch.compiler.is_compiling():
@@ -217,7 +243,7 @@ def triton_hstu_mha(q, k, v, seq_offsets, *, func=None, num_targets=None, causal
         vis = visibility(func, num_targets, causal_closed_form, contextual, window, min_full,
                          sparse=None if plan is None else plan.sparse, max_seq_len=max_seq_len)
         return hstu_mha_fwd(q, k, v, offs, vis.func, vis.num_targets, attn_scale, vis.mode, vis.contextual,
-                            vis.window, vis.min_full, vis.sparse, alpha, out_scale, max_seq_len, *tables)
+                            vis.window, vis.min_full, vis.sparse, alpha, out_scale, max_seq_len, *tables, rab)
     if plan is not None:
         block = plan.block
     else:
@@ -225,4 +251,4 @@ def triton_hstu_mha(q, k, v, seq_offsets, *, func=None, num_targets=None, causal
                                                        min_full, max_seq_len=max_seq_len))
     vis = block.vis
     return _HstuAttention.apply(q, k, v, block.offs, vis.func, vis.num_targets, attn_scale, block, alpha, out_scale,
-                                max_seq_len, *tables)
+                                max_seq_len, *tables, rab)

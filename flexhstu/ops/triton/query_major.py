@@ -27,6 +27,7 @@ from .hulls import (
     wide_hull,
 )
 from .memory import load_rows, store_rows
+from .rab_tiles import add_rab, rab_base
 from .row_intervals import MODE_CAUSAL, head_func, sequence_targets
 from .silu import finite_below
 
@@ -34,11 +35,13 @@ from .silu import finite_below
 @triton.jit
 def key_block_scores(q, K, V, h, seq_start, L, n0, rows, alpha, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr,
                      DIM_V: tl.constexpr, TILE_QK: tl.constexpr, TILE_V: tl.constexpr, FLOOR_SCORES: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr, BIAS, BROWS, HAS_BIAS: tl.constexpr, WIDE_TIMES: tl.constexpr):
+                     DOT_PRECISION: tl.constexpr, BIAS, BROWS, HAS_BIAS: tl.constexpr, WIDE_TIMES: tl.constexpr,
+                     RAB=None, RAB_BASE=None, HAS_RAB: tl.constexpr = False):
     """Key block ``n0`` of a query-major program: its columns, ``k``, ``v`` and the scores ``alpha q k^T``,
     plus the relative bias with HAS_BIAS (``BROWS``: the program's ``bias_rows``; WIDE_TIMES: the int64 path,
-    ``bias_tiles.add_bias``), floored with FLOOR_SCORES (``silu.finite_below``). The set-up every block
-    function (``forward.attend``, ``backward.dq_block``) shares."""
+    ``bias_tiles.add_bias``) or the dense bias with HAS_RAB (``RAB``: ``rab_tiles.Rab``, ``RAB_BASE`` its
+    sequence and head), floored with FLOOR_SCORES (``silu.finite_below``). The set-up every block function
+    (``forward.attend``, ``backward.dq_block``) shares."""
     cols = n0 + tl.arange(0, BLOCK_N)
     col_ok = cols < L
     k = load_rows(K, seq_start + cols, col_ok, h, DIM_QK, TILE_QK)
@@ -46,6 +49,8 @@ def key_block_scores(q, K, V, h, seq_start, L, n0, rows, alpha, BLOCK_N: tl.cons
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * alpha
     if HAS_BIAS:
         s = query_major_bias(s, BIAS, BROWS, h, seq_start, L, rows, cols, n0, WIDE_TIMES)
+    if HAS_RAB:
+        s = add_rab(s, RAB, RAB_BASE, L, rows, cols, False)
     if FLOOR_SCORES:
         s = finite_below(s)
     return cols, k, v, s
@@ -60,12 +65,13 @@ def query_major_walk(acc, q, do, K, V, func, rule, h, seq, seq_start, L, m0, row
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr, DIM_V: tl.constexpr,
                      TILE_QK: tl.constexpr, TILE_V: tl.constexpr, BIAS=None, BROWS=None,
                      HAS_BIAS: tl.constexpr = False, WIDE_TIMES: tl.constexpr = False, SPLIT=0,
-                     N_SPLITS: tl.constexpr = 1):
+                     N_SPLITS: tl.constexpr = 1, RAB=None, RAB_BASE=None, HAS_RAB: tl.constexpr = False):
     """``acc (BLOCK_M, D)`` plus the contribution of every key block that query block ``m0`` sees.
 
     ``q (BLOCK_M, DIM_QK)`` and ``do (BLOCK_M, DIM_V)`` are the block's tiles (the forward passes ``q``
     for ``do``, unused); ``K``, ``V``: ``Jagged``. ``BIAS``, ``BROWS``, HAS_BIAS, WIDE_TIMES: passed to
-    ``BLOCK_FN`` (the relative bias, the program's rows' times, the int64 path for wide chunks). With
+    ``BLOCK_FN`` (the relative bias, the program's rows' times, the int64 path for wide chunks), as are ``RAB``,
+    ``RAB_BASE``, HAS_RAB (a dense bias, ``rab_tiles``). With
     N_SPLITS > 1 only the key blocks of split ``SPLIT`` (every N_SPLITS-th of the walk, from the SPLIT-th) are
     visited: the caller sums the splits.
     """
@@ -80,14 +86,16 @@ def query_major_walk(acc, q, do, K, V, func, rule, h, seq, seq_start, L, m0, row
                             alpha=alpha, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK, TILE_V=TILE_V,
                             CAUSAL_MASK=False, FAST_SIGMOID=FAST_SIGMOID, FLOOR_SCORES=FLOOR_SCORES,
                             DOT_PRECISION=DOT_PRECISION,
-                            BIAS=BIAS, BROWS=BROWS, HAS_BIAS=HAS_BIAS, WIDE_TIMES=WIDE_TIMES)
+                            BIAS=BIAS, BROWS=BROWS, HAS_BIAS=HAS_BIAS, WIDE_TIMES=WIDE_TIMES,
+                            RAB=RAB, RAB_BASE=RAB_BASE, HAS_RAB=HAS_RAB)
             acc += tl.dot(x.to(y.dtype), y, input_precision=DOT_PRECISION)
         for kb in range(diag_first, n_end, N_SPLITS):
             x, y = BLOCK_FN(q=q, do=do, K=K, V=V, h=h, seq_start=seq_start, L=L, n0=kb * BLOCK_N, rows=rows,
                             alpha=alpha, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK, TILE_V=TILE_V,
                             CAUSAL_MASK=True, FAST_SIGMOID=FAST_SIGMOID, FLOOR_SCORES=FLOOR_SCORES,
                             DOT_PRECISION=DOT_PRECISION,
-                            BIAS=BIAS, BROWS=BROWS, HAS_BIAS=HAS_BIAS, WIDE_TIMES=WIDE_TIMES)
+                            BIAS=BIAS, BROWS=BROWS, HAS_BIAS=HAS_BIAS, WIDE_TIMES=WIDE_TIMES,
+                            RAB=RAB, RAB_BASE=RAB_BASE, HAS_RAB=HAS_RAB)
             acc += tl.dot(x.to(y.dtype), y, input_precision=DOT_PRECISION)
     else:
         targets = sequence_targets(rule, seq, HAS_TARGETS)
@@ -108,7 +116,8 @@ def query_major_walk(acc, q, do, K, V, func, rule, h, seq, seq_start, L, m0, row
                             alpha=alpha, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK, TILE_V=TILE_V,
                             CAUSAL_MASK=False, FAST_SIGMOID=FAST_SIGMOID, FLOOR_SCORES=FLOOR_SCORES,
                             DOT_PRECISION=DOT_PRECISION,
-                            BIAS=BIAS, BROWS=BROWS, HAS_BIAS=HAS_BIAS, WIDE_TIMES=WIDE_TIMES)
+                            BIAS=BIAS, BROWS=BROWS, HAS_BIAS=HAS_BIAS, WIDE_TIMES=WIDE_TIMES,
+                            RAB=RAB, RAB_BASE=RAB_BASE, HAS_RAB=HAS_RAB)
             if not block_is_full(n0, tl.minimum(n0 + BLOCK_N, L), clo, chi):
                 cols = n0 + tl.arange(0, BLOCK_N)
                 if INTERVALS_IN_REGISTERS:
@@ -134,12 +143,13 @@ def query_major_program(Q, DO, K, V, OUT, func, rule, OFFS, QTAB, n_flat, alpha,
                         BLOCK_N: tl.constexpr,
                         DIM_QK: tl.constexpr, DIM_V: tl.constexpr, TILE_QK: tl.constexpr, TILE_V: tl.constexpr,
                         ROW_SCALE=None, HAS_ROW_SCALE: tl.constexpr = False, BIAS=None,
-                        HAS_BIAS: tl.constexpr = False):
+                        HAS_BIAS: tl.constexpr = False, RAB=None, HAS_RAB: tl.constexpr = False):
     """One query-major program: locate its query block (last flat blocks first: under causal-like masks
     they carry the most key blocks), load ``q`` (and ``do`` when WITH_DO), walk, store
     ``out_scale * acc`` into ``OUT``: ``(total, H, DIM_QK)`` (dQ) when WITH_DO, else ``(total, H, DIM_V)``;
     each row also times ``ROW_SCALE[row]`` (float32 ``(total,)``) when HAS_ROW_SCALE. With HAS_BIAS the
-    rows' times are read once here and ``BIAS`` (``bias.Bias``) is added to every score."""
+    rows' times are read once here and ``BIAS`` (``bias.Bias``) is added to every score; with HAS_RAB the dense
+    ``RAB`` (``rab_tiles.Rab``) is."""
     OUT_DIM: tl.constexpr = DIM_QK if WITH_DO else DIM_V
     # Register-resident intervals for funcs of up to four intervals (load_row_intervals holds four).
     INTERVALS_IN_REGISTERS: tl.constexpr = NFUNC <= 7
@@ -155,6 +165,7 @@ def query_major_program(Q, DO, K, V, OUT, func, rule, OFFS, QTAB, n_flat, alpha,
         do = load_rows(DO, rows_g, row_ok, h, DIM_V, TILE_V) if WITH_DO else q
         acc = tl.zeros((BLOCK_M, OUT_TILE), dtype=tl.float32)
         brows = bias_rows(BIAS, seq_start, L, rows, m0) if HAS_BIAS else None
+        rab_b = rab_base(RAB, seq, h) if HAS_RAB else None
         # With a bias, two copies of the walk: the one holding the int64 path for wide chunks runs only where the
         # sequence has one (bias.add_bias); seq_wide is 0 or 1.
         wide = tl.load(BIAS.seq_wide + seq) if HAS_BIAS else 0
@@ -166,7 +177,8 @@ def query_major_program(Q, DO, K, V, OUT, func, rule, OFFS, QTAB, n_flat, alpha,
                     MODE=MODE, HAS_TARGETS=HAS_TARGETS, INTERVALS_POW2=INTERVALS_POW2,
                     INTERVALS_IN_REGISTERS=INTERVALS_IN_REGISTERS, FAST_SIGMOID=FAST_SIGMOID, FLOOR_SCORES=FLOOR_SCORES,
                     DOT_PRECISION=DOT_PRECISION, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V,
-                    TILE_QK=TILE_QK, TILE_V=TILE_V, BIAS=BIAS, BROWS=brows, HAS_BIAS=HAS_BIAS, WIDE_TIMES=copy == 1)
+                    TILE_QK=TILE_QK, TILE_V=TILE_V, BIAS=BIAS, BROWS=brows, HAS_BIAS=HAS_BIAS, WIDE_TIMES=copy == 1,
+                    RAB=RAB, RAB_BASE=rab_b, HAS_RAB=HAS_RAB)
         acc = acc * out_scale
         if HAS_ROW_SCALE:
             acc = acc * tl.load(ROW_SCALE + rows_g, mask=row_ok, other=0.0)[:, None]
