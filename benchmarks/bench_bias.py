@@ -56,7 +56,8 @@ def median_ms(fn, repeats: int) -> tuple[float, float]:
 
 
 def kernel_times(fn) -> dict[str, float]:
-    """Device microseconds per call of each kernel of ``fn`` (torch.profiler over 5 eager calls)."""
+    """Device microseconds per call of the eight longest kernels of ``fn`` (torch.profiler over 5 eager calls),
+    then ``all N kernels``: the sum over every kernel and how many distinct ones ran."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -69,7 +70,9 @@ def kernel_times(fn) -> dict[str, float]:
     for e in prof.key_averages():
         if e.device_time_total > 0:
             rows[e.key[:60]] = e.device_time_total / 5
-    return dict(sorted(rows.items(), key=lambda kv: -kv[1])[:8])
+    top = dict(sorted(rows.items(), key=lambda kv: -kv[1])[:8])
+    top[f"all {len(rows)} kernels"] = sum(rows.values())
+    return top
 
 
 def run(name: str, mask: str, args) -> dict:
@@ -114,6 +117,7 @@ def run(name: str, mask: str, args) -> dict:
         row[f"{label}_fb_ms"], row[f"{label}_fb_spread"] = median_ms(captured(fb), args.repeats)
         if args.kernels:
             row[f"{label}_kernels_us"] = kernel_times(fb)
+            row[f"{label}_fwd_kernels_us"] = kernel_times(fwd)
         if label == "bias":
             from flexhstu.ops.triton.config import Tile, tile_override
 
@@ -191,7 +195,10 @@ def main() -> int:
             )
         if args.kernels:
             for label in ("plain", "bias", *(("rab",) if args.rab else ())):
-                print(f"    {label}: " + ", ".join(f"{k} {us:.0f} us" for k, us in r[f"{label}_kernels_us"].items()))
+                for part in ("fwd_kernels", "kernels"):
+                    what = "forward" if part == "fwd_kernels" else "fwd+bwd"
+                    times = ", ".join(f"{k} {us:.0f} us" for k, us in r[f"{label}_{part}_us"].items())
+                    print(f"    {label} {what}: {times}")
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump(rows, fh, indent=1)

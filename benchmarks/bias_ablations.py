@@ -11,9 +11,14 @@ unmodified one (``none``). The variants compute wrong results on purpose; they a
 * ``one-pos-atomic``: the position part's diagonal sums, added in one atomic per tile (the atomics' cost);
 * ``no-time-grad``: the gradients without the time-bucket part;
 * ``no-pos-add``: the scores without the position entries (forward, dQ and dK/dV);
-* ``no-time-add``: the scores without the time-bucket weights.
+* ``no-time-add``: the scores without the time-bucket weights;
+* ``one-bucket``: every tile as if all its pairs fell in one bucket (the tile's bucket range is still found,
+  from its keys' times, but no pair is compared with an edge): ``none`` less this is the per-pair edge work,
+  this less ``no-time-add`` the per-tile set-up (the keys' times, their min and max, the range's buckets).
 
-``--build-only`` writes the copies and exits (what the CPU test checks: every edit still applies).
+``--build-only`` writes the copies and exits (what the CPU test checks: every edit still applies). ``--jobs N``
+first runs every copy once in N processes at a time (one repeat, results dropped) so that the timed runs, one
+at a time, find their kernels compiled.
 """
 
 from __future__ import annotations
@@ -88,6 +93,15 @@ VARIANTS = {
             ),
         )
     ],
+    "one-bucket": [
+        (
+            BIAS,
+            _replace(
+                "    return bucket_of(bias, gmin), bucket_of(bias, gmax)\n",
+                "    b = bucket_of(bias, gmin)\n    return b, b\n",
+            ),
+        )
+    ],
 }
 
 
@@ -113,6 +127,7 @@ def main() -> int:
     p.add_argument("--dest", default=str(ROOT / "build" / "bias-ablations"))
     p.add_argument("--out", default="", help="folder for each variant's log and JSON (default: --dest)")
     p.add_argument("--build-only", action="store_true")
+    p.add_argument("--jobs", type=int, default=1, help="processes of the compiling pass (1: no such pass)")
     a = p.parse_args()
     made = build(pathlib.Path(a.dest))
     if a.build_only:
@@ -120,20 +135,27 @@ def main() -> int:
         return 0
     out = pathlib.Path(a.out or a.dest)
     out.mkdir(parents=True, exist_ok=True)
+    bench = [sys.executable, str(ROOT / "benchmarks" / "bench_bias.py"), "--only", a.only]
+    if a.jobs > 1:
+        names = list(made)
+        for i in range(0, len(names), a.jobs):
+            procs = [
+                subprocess.Popen(
+                    [*bench, "--repeats", "1"],
+                    env={**os.environ, "PYTHONPATH": str(made[name])},
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    cwd=ROOT,
+                )
+                for name in names[i : i + a.jobs]
+            ]
+            for proc in procs:
+                proc.wait()
+        print(f"compiled: {len(names)} copies, {a.jobs} at a time", flush=True)
     results = {}
     for name, path in made.items():
         js = out / f"ablation-{name}.json"
-        cmd = [
-            sys.executable,
-            str(ROOT / "benchmarks" / "bench_bias.py"),
-            "--only",
-            a.only,
-            "--repeats",
-            str(a.repeats),
-            "--kernels",
-            "--json",
-            str(js),
-        ]
+        cmd = [*bench, "--repeats", str(a.repeats), "--kernels", "--json", str(js)]
         env = {**os.environ, "PYTHONPATH": str(path)}
         with open(out / f"ablation-{name}.log", "w") as log:
             rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode

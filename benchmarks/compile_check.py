@@ -2,6 +2,7 @@
 
     PYTHONPATH=$PWD python benchmarks/compile_check.py           # bf16 D 64/128/256/96 and 24/48, every MODE; fp32
     PYTHONPATH=$PWD python benchmarks/compile_check.py --quick   # D 128 and 96 only
+    PYTHONPATH=$PWD python benchmarks/compile_check.py --quick --sass DIR   # and each variant's SASS in DIR
 
 Every dim also compiles the kernels with the relative attention bias (``rel_bias``: HAS_BIAS, and
 BIAS_GRAD in the dK/dV kernel) for the causal, fixed-rule window and SLA masks; the lines show ``HAS_BIAS=True``;
@@ -42,6 +43,7 @@ CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
 SHOWN = ("MODE", "NFUNC", "DIM_QK", "DIM_V", "BLOCK_M", "BLOCK_N", "DOT_PRECISION", "HAS_BIAS", "HAS_RAB")
 seen: set[str] = set()
 failures: list[str] = []
+SASS_DIR = sys.argv[sys.argv.index("--sass") + 1] if "--sass" in sys.argv else None
 
 
 def _resources(cubin: bytes) -> tuple[int, int]:
@@ -75,6 +77,11 @@ def compile_instead_of_launch(self, *args, grid, warmup, **kwargs):
         return None
     regs, stack = _resources(kernel.asm["cubin"])
     print(f"ok   {label:110} regs={regs:3} spill_stack={stack}B", flush=True)
+    if SASS_DIR:
+        os.makedirs(SASS_DIR, exist_ok=True)
+        name = re.sub(r"[^A-Za-z0-9_.=-]+", "_", f"{len(seen):03d} {label}")[:150]
+        with open(os.path.join(SASS_DIR, name + ".sass"), "w") as f:
+            f.write(kernel.asm.get("sass", ""))
     return None
 
 

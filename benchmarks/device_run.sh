@@ -57,7 +57,7 @@ for s in $stages; do
     bench) run bench 330 python3 -m flexhstu.bench --suite --json "$OUT/bench.json" ;;
     graphs) run graphs 200 python3 benchmarks/graph_check.py ;;
     bias) run bias 240 python3 benchmarks/bench_bias.py --kernels --json "$OUT/bias.json" ${BIAS_ARGS:-} ;;
-    bias-ablate) run bias-ablate 480 python3 benchmarks/bias_ablations.py --only "${ABLATE_ONLY:-causal}" \
+    bias-ablate) run bias-ablate 480 python3 benchmarks/bias_ablations.py --only "${ABLATE_ONLY:-causal}" --jobs 8 \
                    --out "$OUT/bias-ablations" ;;
     aoti-probe) run aoti-probe 420 python3 benchmarks/aoti_probe.py --log-dir "$OUT/aoti-probe" ;;
     stu) run stu 220 python3 -m flexhstu.bench.stu_step --suite --dropout 0 --variants eager lean default \
