@@ -13,8 +13,8 @@ unmodified one (``none``). The variants compute wrong results on purpose; they a
 * ``no-pos-add``: the scores without the position entries (forward, dQ and dK/dV);
 * ``no-time-add``: the scores without the time-bucket weights;
 * ``one-bucket``: every tile as if all its pairs fell in one bucket (the tile's bucket range is still found,
-  from its keys' times, but no pair is compared with an edge): ``none`` less this is the per-pair edge work,
-  this less ``no-time-add`` the per-tile set-up (the keys' times, their min and max, the range's buckets).
+  from the blocks' time summaries, but no pair is compared with an edge): ``none`` less this is the per-pair
+  edge work, this less ``no-time-add`` the per-tile set-up (the blocks' time bounds, the range's buckets).
 
 ``--build-only`` writes the copies and exits (what the CPU test checks: every edit still applies). ``--jobs N``
 first runs every copy once in N processes at a time (one repeat, results dropped) so that the timed runs, one
@@ -89,7 +89,9 @@ VARIANTS = {
             BIAS,
             _both(
                 _replace("s = _add_wide_time_steps(s, tsw, bias, seq_start, L, rows, cols, TRANS)", "s = s"),
-                _replace("s = _add_time_steps(s, tsw, bias, ai, bi, d, b_lo, b_hi, TRANS)", "s = s"),
+                _replace(
+                    "s = _add_time_steps(s, tsw, bias, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, TRANS)", "s = s"
+                ),
             ),
         )
     ],

@@ -241,10 +241,10 @@ def _bias_probe_kernel(bias, OFFS, OUT, n, BM: tl.constexpr, BN: tl.constexpr, T
     m0 = tl.program_id(1) * BM
     if m0 < L:
         rows = m0 + tl.arange(0, BM)
-        ai, amin, amax, base_a = bias_tiles.bias_rows(bias, seq_start, L, rows, m0)
+        ai, amin, amax, base_a, _ = bias_tiles.bias_rows(bias, b, seq_start, L, rows, m0)
         for n0 in range(0, L, BN):
             cols = n0 + tl.arange(0, BN)
-            bi, bmin, bmax, base_b = bias_tiles.bias_cols(bias, seq_start, L, cols, n0)
+            bi, bmin, bmax, base_b = bias_tiles.bias_cols(bias, b, seq_start, L, cols, n0)
             d = base_a - base_b
             b_lo, b_hi = bias_tiles.tile_buckets(bias, amin, amax, bmin, bmax, d)
             ok = (rows[:, None] < L) & (cols[None, :] < L)
@@ -391,3 +391,27 @@ def test_the_bias_tiles_of_the_gpu_match_the_reference():
     one_stage = {name: dataclasses.replace(t, num_stages=1) for name, t in small._asdict().items()}
     with tile_override(**one_stage):
         check_against_reference([70, 0, 33], "sla", per_head=False, positions=40, num_buckets=40)
+
+
+def test_block_summaries_bound_every_aligned_block_of_every_sequence():
+    """Each summary slot holds the min and max of the int32 times and next times of its block's rows (a
+    wrong slot or a row of the next sequence counted in makes a tile's bucket range miss pairs' buckets)."""
+    lengths = [300, 0, 17, 256, 513]
+    offs = offsets_from(lengths).to(torch.int64)
+    total = sum(lengths)
+    rel = RelativeBias(torch.zeros(9), torch.zeros(41), make_times(lengths, "unsorted"))
+    a = bias_tables.prepare(rel, offs, total, with_grads=False).args
+    chunk_rows, slots = bias_tables.CHUNK, bias_tables.SUMMARY_SLOTS
+    checked = 0
+    for b, n in enumerate(lengths):
+        start = int(offs[b])
+        for bs in (16, 32, 64, 128, 256):
+            for p0 in range(0, n, bs):
+                chunk = start // chunk_rows + b + p0 // chunk_rows
+                slot = chunk * slots + slots - 2 * chunk_rows // bs + (p0 % chunk_rows) // bs
+                rows = slice(start + p0, start + min(p0 + bs, n))
+                got = a.summary.view(-1, 4)[slot].tolist()
+                t, nx = a.time32[rows], a.next32[rows]
+                assert got == [t.min(), -t.max(), nx.min(), -nx.max()], (b, bs, p0)
+                checked += 1
+    assert checked > 100

@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .bias_tiles import add_bias, bias_cols, bias_grad, bias_rows, tile_buckets
+from .bias_tiles import add_bias, bias_cols, bias_grad, row_span, tile_buckets
 from .block_tables import first_block, locate_block
 from .hulls import block_is_full, interval_visibility
 from .memory import load_rows, store_rows, tile_mask, tile_ptrs
@@ -177,7 +177,7 @@ def _key_block(Q, K, V, DO, DK, DV, func, rule, OFFS, KTAB, BOUNDS, QLO, QHI, it
         acc_k = tl.zeros((BLOCK_N, TILE_QK), dtype=tl.float32)
         acc_v = tl.zeros((BLOCK_N, TILE_V), dtype=tl.float32)
         if HAS_BIAS:
-            bi, bmin, bmax, base_b = bias_cols(BIAS, seq_start, L, cols, n0)
+            bi, bmin, bmax, base_b = bias_cols(BIAS, seq, seq_start, L, cols, n0)
         if HAS_RAB:
             rab_b = rab_base(RAB, seq, h)
         if RAB_GRAD:
@@ -199,11 +199,11 @@ def _key_block(Q, K, V, DO, DK, DV, func, rule, OFFS, KTAB, BOUNDS, QLO, QHI, it
                 chi = tl.load(b + 3 * INTERVALS_POW2)
             s = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * alpha  # (BLOCK_N, BLOCK_M): S^T
             if HAS_BIAS:
-                ai, amin, amax, base_a = bias_rows(BIAS, seq_start, L, rows, m0)
+                amin, amax, base_a = row_span(BIAS, seq, seq_start, m0, BLOCK_M)
                 d = base_a - base_b
                 b_lo, b_hi = tile_buckets(BIAS, amin, amax, bmin, bmax, d)
                 if m0 < L:  # always: keeps the pipeliner off the bias loads (bias.PIPELINE_GUARD)
-                    s = add_bias(s, BIAS, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, True,
+                    s = add_bias(s, BIAS, h, seq_start, L, rows, cols, 0, bi, d, b_lo, b_hi, True,
                                  WIDE_PASS)
             if HAS_RAB:
                 s = add_rab(s, RAB, rab_b, L, rows, cols, True)
@@ -241,7 +241,7 @@ def _key_block(Q, K, V, DO, DK, DV, func, rule, OFFS, KTAB, BOUNDS, QLO, QHI, it
             if RAB_GRAD:
                 store_rab_grad(DRAB, drab_b, L, rows, cols, ds32 * dv_scale, True, RAB_SHARED)
             if BIAS_GRAD:
-                bias_grad(BIAS, h, seq_start, L, ds, rows, cols, ai, bi, d, b_lo, b_hi, dv_scale,
+                bias_grad(BIAS, h, seq_start, L, ds, rows, cols, 0, bi, d, b_lo, b_hi, dv_scale,
                           DOT_PRECISION, True, WIDE_PASS)
             acc_v += tl.dot(p, do, input_precision=DOT_PRECISION)
             acc_k += tl.dot(ds, q, input_precision=DOT_PRECISION)

@@ -97,7 +97,9 @@ class Bias(NamedTuple):
     ``(total,)``, their chunk's minimum, or NaN for a *wide* chunk (one whose times span ``INT32_SPAN`` or
     more: its offsets are saturated and unused); ``time64`` / ``next64``: the int64 times themselves, read
     by tiles that touch a wide chunk; ``seq_wide``: int32 ``(B,)``, 1 for a sequence with a wide chunk (its
-    programs run a walk that holds the int64 path, the others one without it: ``add_bias``); ``dpos`` /
+    programs run a walk that holds the int64 path, the others one without it: ``add_bias``); ``summary``: int32
+    ``(chunks, SUMMARY_SLOTS, 4)``, per chunk and aligned block the min and max of ``time32`` and ``next32``
+    (``block_summaries``), so that a tile bounds its gaps from four scalars; ``dpos`` /
     ``dts``: float32 gradient buffers shaped like ``pos`` / ``ts`` (zeros; written by the dK/dV kernel) or
     empty."""
 
@@ -117,6 +119,7 @@ class Bias(NamedTuple):
     time64: torch.Tensor
     next64: torch.Tensor
     seq_wide: torch.Tensor
+    summary: torch.Tensor
     dpos: torch.Tensor
     dts: torch.Tensor
 
@@ -159,6 +162,34 @@ def _chunked(values: torch.Tensor, chunk: torch.Tensor, nchunks: int,
     return rel.clamp(min=0, max=INT32_SPAN).to(torch.int32), base
 
 
+SUMMARY_GRAIN = 16
+"""The smallest block a summary holds: every kernel tile is at least this (``config``)."""
+SUMMARY_SLOTS = 2 * CHUNK // SUMMARY_GRAIN
+"""Summary slots per chunk: ``CHUNK / b`` blocks for each block size ``b = 16, 32, .., CHUNK`` (31), one spare."""
+
+
+def block_summaries(time32: torch.Tensor, next32: torch.Tensor, chunk: torch.Tensor, i: torch.Tensor,
+                    nchunks: int) -> torch.Tensor:
+    """int32 ``(nchunks, SUMMARY_SLOTS, 4)``: for every chunk, block size ``b`` (a power of two from
+    ``SUMMARY_GRAIN`` to ``CHUNK``) and block ``j`` of the chunk (rows ``j b .. j b + b - 1`` of it), at slot
+    ``SUMMARY_SLOTS - 2 CHUNK / b + j``: the min of ``time32``, minus its max, the min of ``next32``, minus its max
+    (maxima negated: one ``amin`` makes all four). Rows past a sequence's end hold nothing (a block's
+    bounds are its rows'), as the per-row reads clamp to the last row. Five small device ops besides the scatter,
+    no host read; a tile then reads two scalars instead of reducing a vector (``bias_tiles.block_span``)."""
+    vals = torch.stack((time32, -time32, next32, -next32), 1)
+    grains = CHUNK // SUMMARY_GRAIN
+    slot = (chunk * grains + (i % CHUNK) // SUMMARY_GRAIN)[:, None].expand(-1, 4)
+    top = torch.iinfo(torch.int32).max
+    fine = torch.full((nchunks * grains, 4), top, dtype=torch.int32, device=vals.device)
+    fine = fine.scatter_reduce_(0, slot, vals, "amin").view(nchunks, grains, 4)
+    levels = [fine]
+    while levels[-1].shape[1] > 1:
+        x = levels[-1]
+        levels.append(x.view(nchunks, x.shape[1] // 2, 2, 4).amin(2))
+    levels.append(fine.new_zeros(nchunks, 1, 4))  # the spare slot
+    return torch.cat(levels, 1)
+
+
 def prepare(rel_bias: RelativeBias, seq_offsets: torch.Tensor, total: int, with_grads: bool) -> Prepared:
     """The kernel arguments of a relative bias for a batch of ``total >= 1`` rows (device torch ops only).
 
@@ -187,12 +218,13 @@ def prepare(rel_bias: RelativeBias, seq_offsets: torch.Tensor, total: int, with_
     wide_row = (time_base.isnan() | next_base.isnan()).to(torch.int32)
     seq_wide = torch.zeros(seq_offsets.numel() - 1, dtype=torch.int32, device=times.device).scatter_reduce_(
         0, seq, wide_row, "amax")
+    summary = block_summaries(time32, next32, chunk, i, nchunks)
     edges, edges32, max_bucket = edges_tensors(ts.shape[1] - 1, times.device)
     dpos = torch.zeros_like(pos) if with_grads else pos.new_empty(0)
     dts = torch.zeros_like(ts) if with_grads else ts.new_empty(0)
     args = Bias(pos, pos.stride(0) if pos.shape[0] > 1 else 0, pad + half, ts, ts.stride(0) if ts.shape[0] > 1 else 0,
                 ts.shape[1] - 1, max_bucket, edges, edges32, time32, time_base, next32, next_base, times.contiguous(),
-                nxt.contiguous(), seq_wide, dpos, dts)
+                nxt.contiguous(), seq_wide, summary, dpos, dts)
     return Prepared(args, pad, n_pos)
 
 

@@ -9,11 +9,14 @@ call): a position table padded so that ``center + j - i`` needs no clamp, the ti
 int32 time offsets from its chunk's float64 base (NaN for a *wide* chunk) and the edges ``E[k]`` of the buckets.
 
 Per tile (``add_bias``): the relative positions index the padded table directly (one load per pair).
-For the time part the tile first bounds its gaps from the min/max of its rows' and keys' times, takes
-the bucket of both ends (``bucket_of``: a float32 log estimate corrected by two edge loads, exact), and
-if the tile spans buckets ``b_lo .. b_hi`` compares each pair with the edges between them only: a tile
-of one bucket (most tiles of time-sorted events away from the diagonal) costs nothing per pair. The
-bias goes straight into the score tile (no second tile held).
+For the time part the tile first bounds its gaps from the min/max of its rows' and keys' times (two
+scalars per side from the per-block summaries, ``block_span``: no vector read, no reduction across the
+warps), takes the bucket of both ends (``bucket_of``: a float32 log estimate corrected by two edge loads,
+exact), and if the tile spans buckets ``b_lo .. b_hi`` compares each pair with the edges between them
+only: a tile of one bucket (most tiles of time-sorted events away from the diagonal) costs nothing per
+pair, and only a tile of several buckets reads the per-row times of the side that changes from tile to
+tile (the keys in the query-major kernels, the query rows in the key-major one). The bias goes straight
+into the score tile (no second tile held).
 
 Gradients (``bias_grad``, in the key-major dK/dV kernel, which holds ``dS^T`` of each tile): the bias
 gradient of a pair is ``dS`` (the gradient of the pre-silu score, already masked and scaled by the
@@ -34,9 +37,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .bias_tables import INT32_SPAN
+from .bias_tables import CHUNK, INT32_SPAN, SUMMARY_GRAIN, SUMMARY_SLOTS
 
 INT32_SPAN_F = tl.constexpr(float(INT32_SPAN))
+CHUNK_ROWS = tl.constexpr(CHUNK)
+GRAIN = tl.constexpr(SUMMARY_GRAIN)
+SLOTS = tl.constexpr(SUMMARY_SLOTS)
 UNROLLED = tl.constexpr(2)
 """Bucket edges per tile handled without a loop (time-sorted events: 2.2 on average in the benchmark)."""
 PIPELINE_GUARD = None
@@ -61,17 +67,46 @@ def _at(T, seq_start, L, idx):
 
 
 @triton.jit
-def bias_rows(bias, seq_start, L, rows, row0):
-    """The rows' next times (int32 offsets), their min and max, and their chunk's base (``row0``: the first row)."""
-    ai = _at(bias.next32, seq_start, L, rows)
-    return ai, tl.min(ai, axis=0), tl.max(ai, axis=0), tl.load(bias.next_base + seq_start + row0)
+def block_span(bias, seq, seq_start, p0, BS: tl.constexpr, NEXT: tl.constexpr):
+    """The min and max of the int32 times (NEXT: next times) of the ``BS`` rows of sequence ``seq`` from local
+    position ``p0`` (a multiple of BS), rows past its end left out: two scalar loads of ``bias.summary``
+    (``bias_tables.block_summaries``)."""
+    tl.static_assert(BS >= GRAIN and BS <= CHUNK_ROWS, "bias tiles: blocks of 16 to 256 rows")
+    chunk = seq_start // CHUNK_ROWS + seq + p0 // CHUNK_ROWS
+    within = p0 - (p0 // CHUNK_ROWS) * CHUNK_ROWS  # p0 % CHUNK (the interpreter has no int % constexpr)
+    slot = chunk * SLOTS + (SLOTS - 2 * CHUNK_ROWS // BS) + within // BS
+    ptr = bias.summary + slot * 4 + (2 if NEXT else 0)
+    return tl.load(ptr), -tl.load(ptr + 1)
 
 
 @triton.jit
-def bias_cols(bias, seq_start, L, cols, col0):
-    """The keys' times (int32 offsets), their min and max, and their chunk's base (``col0``: the first key)."""
-    bi = _at(bias.time32, seq_start, L, cols)
-    return bi, tl.min(bi, axis=0), tl.max(bi, axis=0), tl.load(bias.time_base + seq_start + col0)
+def row_span(bias, seq, seq_start, row0, BS: tl.constexpr):
+    """A block of ``BS`` query rows from ``row0``: the min and max of its next times and its chunk's base."""
+    amin, amax = block_span(bias, seq, seq_start, row0, BS, True)
+    return amin, amax, tl.load(bias.next_base + seq_start + row0)
+
+
+@triton.jit
+def col_span(bias, seq, seq_start, col0, BS: tl.constexpr):
+    """A block of ``BS`` keys from ``col0``: the min and max of their times and their chunk's base."""
+    bmin, bmax = block_span(bias, seq, seq_start, col0, BS, False)
+    return bmin, bmax, tl.load(bias.time_base + seq_start + col0)
+
+
+@triton.jit
+def bias_rows(bias, seq, seq_start, L, rows, row0):
+    """A program's query rows (held through its walk): their next times (int32 offsets), their min and max, their
+    chunk's base (``row0``: the first row) and ``seq``, what ``query_major_bias`` takes."""
+    amin, amax, base = row_span(bias, seq, seq_start, row0, rows.shape[0])
+    return _at(bias.next32, seq_start, L, rows), amin, amax, base, seq
+
+
+@triton.jit
+def bias_cols(bias, seq, seq_start, L, cols, col0):
+    """A program's keys (held through its walk): their times (int32 offsets), their min and max and their chunk's
+    base (``col0``: the first key)."""
+    bmin, bmax, base = col_span(bias, seq, seq_start, col0, cols.shape[0])
+    return _at(bias.time32, seq_start, L, cols), bmin, bmax, base
 
 
 @triton.jit
@@ -114,12 +149,12 @@ def _far(bias, k, ai, bi, d, TRANS: tl.constexpr):
 def query_major_bias(s, bias, brows, h, seq_start, L, rows, cols, n0, WIDE: tl.constexpr):
     """``s + bias`` for a ``(rows, cols)`` tile of a query-major program (keys from ``n0``); ``brows``: the
     program's ``bias_rows``; WIDE: as ``add_bias``."""
-    ai, amin, amax, base_a = brows
+    ai, amin, amax, base_a, seq = brows
     if n0 < L:  # always (walks visit key blocks inside the sequence): see PIPELINE_GUARD
-        bi, bmin, bmax, base_b = bias_cols(bias, seq_start, L, cols, n0)
+        bmin, bmax, base_b = col_span(bias, seq, seq_start, n0, cols.shape[0])
         d = base_a - base_b
         b_lo, b_hi = tile_buckets(bias, amin, amax, bmin, bmax, d)
-        s = add_bias(s, bias, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, False, WIDE)
+        s = add_bias(s, bias, h, seq_start, L, rows, cols, ai, 0, d, b_lo, b_hi, False, WIDE)
     return s
 
 
@@ -161,23 +196,38 @@ def _wide_far(bias, k, ta, tb, TRANS: tl.constexpr):
 
 
 @triton.jit
-def _add_time_steps(s, tsw, bias, ai, bi, d, b_lo, b_hi, TRANS: tl.constexpr):
+def _tile_times(bias, seq_start, L, rows, cols, ai, bi, TRANS: tl.constexpr):
+    """The tile's per-row times: the held side as given (``bi``, the program's keys, when TRANS; else ``ai``, its
+    query rows), the other read now (called only by tiles of several buckets)."""
+    if TRANS:
+        av = _at(bias.next32, seq_start, L, rows)
+        bv = bi
+    else:
+        av = ai
+        bv = _at(bias.time32, seq_start, L, cols)
+    return av, bv
+
+
+@triton.jit
+def _add_time_steps(s, tsw, bias, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, TRANS: tl.constexpr):
     """``s`` plus the time weight of every pair of an int32 tile (``add_bias``)."""
     w = tl.load(tsw + b_lo)
     s += w
-    # The first UNROLLED edges unrolled, the rest in a loop behind a branch: a loop directly in the kernels'
-    # main loop stops Triton's software pipelining of the K/V loads (seen on sm_90); a branch does not.
-    for j in tl.static_range(UNROLLED):
-        k = b_lo + 1 + j
-        if k <= b_hi:
-            w_next = tl.load(tsw + k)
-            s += tl.where(_far(bias, k, ai, bi, d, TRANS), w_next - w, 0.0)
-            w = w_next
-    if b_hi - b_lo > UNROLLED:
-        for k in range(b_lo + 1 + UNROLLED, b_hi + 1):
-            w_next = tl.load(tsw + k)
-            s += tl.where(_far(bias, k, ai, bi, d, TRANS), w_next - w, 0.0)
-            w = w_next
+    if b_hi > b_lo:
+        av, bv = _tile_times(bias, seq_start, L, rows, cols, ai, bi, TRANS)
+        # The first UNROLLED edges unrolled, the rest in a loop behind a branch: a loop directly in the kernels'
+        # main loop stops Triton's software pipelining of the K/V loads (seen on sm_90); a branch does not.
+        for j in tl.static_range(UNROLLED):
+            k = b_lo + 1 + j
+            if k <= b_hi:
+                w_next = tl.load(tsw + k)
+                s += tl.where(_far(bias, k, av, bv, d, TRANS), w_next - w, 0.0)
+                w = w_next
+        if b_hi - b_lo > UNROLLED:
+            for k in range(b_lo + 1 + UNROLLED, b_hi + 1):
+                w_next = tl.load(tsw + k)
+                s += tl.where(_far(bias, k, av, bv, d, TRANS), w_next - w, 0.0)
+                w = w_next
     return s
 
 
@@ -198,7 +248,8 @@ def _add_wide_time_steps(s, tsw, bias, seq_start, L, rows, cols, TRANS: tl.const
 def add_bias(s, bias, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, TRANS: tl.constexpr,
              WIDE: tl.constexpr):
     """``s`` plus the float32 bias of its tile, ``(rows, cols)``, or ``(cols, rows)`` when TRANS; ``ai``, ``bi``:
-    the rows' and keys' int32 times, ``d`` the difference of their bases, ``b_lo .. b_hi``: ``tile_buckets``.
+    the rows' and keys' int32 times, of which only the program's held side is read (``bi`` when TRANS, else
+    ``ai``; pass anything for the other), ``d`` the difference of their bases, ``b_lo .. b_hi``: ``tile_buckets``.
 
     The position entry and the lowest bucket's weight first; then for each edge between ``b_lo`` and ``b_hi``
     the step to the next bucket's weight where the pair's gap reaches it (the float32 sum of the steps
@@ -216,9 +267,9 @@ def add_bias(s, bias, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, TRANS:
         if d != d:
             s = _add_wide_time_steps(s, tsw, bias, seq_start, L, rows, cols, TRANS)
         else:
-            s = _add_time_steps(s, tsw, bias, ai, bi, d, b_lo, b_hi, TRANS)
+            s = _add_time_steps(s, tsw, bias, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, TRANS)
     else:
-        s = _add_time_steps(s, tsw, bias, ai, bi, d, b_lo, b_hi, TRANS)
+        s = _add_time_steps(s, tsw, bias, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, TRANS)
     return s
 
 
@@ -257,19 +308,21 @@ def _reached_sum(g, far):
 
 
 @triton.jit
-def _time_grads(g, dts, prev, bias, ai, bi, d, b_lo, b_hi, TRANS: tl.constexpr):
+def _time_grads(g, dts, prev, bias, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, TRANS: tl.constexpr):
     """The time-bucket gradients of an int32 tile (``bias_grad``); ``prev``: the tile's total."""
-    for j in tl.static_range(UNROLLED):  # as in add_bias
-        k = b_lo + 1 + j
-        if k <= b_hi:
-            part = _reached_sum(g, _far(bias, k, ai, bi, d, TRANS))
-            tl.atomic_add(dts + k - 1, prev - part, sem="relaxed")
-            prev = part
-    if b_hi - b_lo > UNROLLED:
-        for k in range(b_lo + 1 + UNROLLED, b_hi + 1):
-            part = _reached_sum(g, _far(bias, k, ai, bi, d, TRANS))
-            tl.atomic_add(dts + k - 1, prev - part, sem="relaxed")
-            prev = part
+    if b_hi > b_lo:
+        av, bv = _tile_times(bias, seq_start, L, rows, cols, ai, bi, TRANS)
+        for j in tl.static_range(UNROLLED):  # as in add_bias
+            k = b_lo + 1 + j
+            if k <= b_hi:
+                part = _reached_sum(g, _far(bias, k, av, bv, d, TRANS))
+                tl.atomic_add(dts + k - 1, prev - part, sem="relaxed")
+                prev = part
+        if b_hi - b_lo > UNROLLED:
+            for k in range(b_lo + 1 + UNROLLED, b_hi + 1):
+                part = _reached_sum(g, _far(bias, k, av, bv, d, TRANS))
+                tl.atomic_add(dts + k - 1, prev - part, sem="relaxed")
+                prev = part
     tl.atomic_add(dts + b_hi, prev, sem="relaxed")
 
 
@@ -300,9 +353,9 @@ def bias_grad(bias, h, seq_start, L, ds, rows, cols, ai, bi, d, b_lo, b_hi, scal
         if d != d:
             _wide_time_grads(g, dts, prev, bias, seq_start, L, rows, cols, TRANS)
         else:
-            _time_grads(g, dts, prev, bias, ai, bi, d, b_lo, b_hi, TRANS)
+            _time_grads(g, dts, prev, bias, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, TRANS)
     else:
-        _time_grads(g, dts, prev, bias, ai, bi, d, b_lo, b_hi, TRANS)
+        _time_grads(g, dts, prev, bias, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, TRANS)
     # Positions: diagonal sums of the tile, then one atomic per (block diagonal, offset).
     X: tl.constexpr = ds.shape[0]
     Y: tl.constexpr = ds.shape[1]

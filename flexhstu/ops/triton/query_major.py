@@ -164,7 +164,7 @@ def query_major_program(Q, DO, K, V, OUT, func, rule, OFFS, QTAB, n_flat, alpha,
         q = load_rows(Q, rows_g, row_ok, h, DIM_QK, TILE_QK)
         do = load_rows(DO, rows_g, row_ok, h, DIM_V, TILE_V) if WITH_DO else q
         acc = tl.zeros((BLOCK_M, OUT_TILE), dtype=tl.float32)
-        brows = bias_rows(BIAS, seq_start, L, rows, m0) if HAS_BIAS else None
+        brows = bias_rows(BIAS, seq, seq_start, L, rows, m0) if HAS_BIAS else None
         rab_b = rab_base(RAB, seq, h) if HAS_RAB else None
         # With a bias, two copies of the walk: the one holding the int64 path for wide chunks runs only where the
         # sequence has one (bias.add_bias); seq_wide is 0 or 1.
