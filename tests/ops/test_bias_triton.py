@@ -399,8 +399,11 @@ def test_block_summaries_bound_every_aligned_block_of_every_sequence():
     lengths = [300, 0, 17, 256, 513]
     offs = offsets_from(lengths).to(torch.int64)
     total = sum(lengths)
-    rel = RelativeBias(torch.zeros(9), torch.zeros(41), make_times(lengths, "unsorted"))
-    a = bias_tables.prepare(rel, offs, total, with_grads=False).args
+    rel = RelativeBias(
+        torch.zeros(9, device=DEVICE), torch.zeros(41, device=DEVICE), make_times(lengths, "unsorted").to(DEVICE)
+    )
+    a = bias_tables.prepare(rel, offs.to(DEVICE), total, with_grads=False).args
+    a = a._replace(summary=a.summary.cpu(), time32=a.time32.cpu(), next32=a.next32.cpu())
     chunk_rows, slots = bias_tables.CHUNK, bias_tables.SUMMARY_SLOTS
     checked = 0
     for b, n in enumerate(lengths):
@@ -415,3 +418,35 @@ def test_block_summaries_bound_every_aligned_block_of_every_sequence():
                 assert got == [t.min(), -t.max(), nx.min(), -nx.max()], (b, bs, p0)
                 checked += 1
     assert checked > 100
+
+
+@pytest.mark.parametrize("times", ["sorted", "unsorted", "wide", "edges"])
+def test_the_two_launch_prepare_equals_the_torch_definition_bit_for_bit(times):
+    """bias_prepare's kernels against bias_tables.chunked_times: every per-row offset, base (NaN where wide),
+    next time, wide flag and summary slot, on sequences of 0, 1, 255, 256, 257 and 600 rows."""
+    from flexhstu.ops.triton.bias_prepare import chunked_times_triton
+
+    lengths = [257, 0, 1, 600, 255, 0, 256]
+    offs = offsets_from(lengths).to(torch.int64).to(DEVICE)
+    total = sum(lengths)
+    ts = make_times(lengths, times, num_buckets=128 if times == "wide" else 40).to(DEVICE)
+    want = bias_tables.chunked_times(ts, offs, total)
+    got = chunked_times_triton(
+        ts,
+        offs,
+        total,
+        bias_tables.CHUNK,
+        bias_tables.SUMMARY_GRAIN,
+        bias_tables.SUMMARY_SLOTS,
+        bias_tables.INT32_SPAN,
+        bias_tables.BASE_SPAN,
+    )
+    names = ("time32", "time_base", "next32", "next_base", "next64", "seq_wide", "summary")
+    for name, a, b in zip(names, got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        if a.is_floating_point():
+            assert torch.equal(a.isnan(), b.isnan()), name
+            a, b = a.nan_to_num(), b.nan_to_num()
+        assert torch.equal(a, b), name
+    if times == "wide":
+        assert bool(want[5].any()), "the wide case holds a wide sequence"

@@ -42,6 +42,7 @@ import torch
 
 from ...jagged import row_coords
 from ..bias import RelativeBias, time_bucket
+from .bias_prepare import chunked_times_triton
 
 POS_SLACK = 256
 """Relative positions beyond the longest sequence that a tile can hold: at least the largest block size."""
@@ -142,8 +143,9 @@ BASE_SPAN = 2**52
 exact, and so the difference of two bases (``d``) and every threshold a tile compares with."""
 
 
-def _chunked(values: torch.Tensor, chunk: torch.Tensor, nchunks: int,
-             origin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _chunked(
+    values: torch.Tensor, chunk: torch.Tensor, nchunks: int, origin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``values`` (int64) as int32 offsets from their chunk's minimum, and that minimum per row as float64,
     counted from ``origin`` (the row's sequence's earliest time, so any absolute times give exact bases); NaN
     for the rows of a chunk whose values span ``INT32_SPAN`` or more or whose minimum is ``BASE_SPAN`` or more
@@ -152,7 +154,8 @@ def _chunked(values: torch.Tensor, chunk: torch.Tensor, nchunks: int,
     big = torch.iinfo(torch.int64).max
     low = torch.full((nchunks,), big, dtype=torch.int64, device=values.device).scatter_reduce(0, chunk, values, "amin")
     high = torch.full((nchunks,), -big - 1, dtype=torch.int64, device=values.device).scatter_reduce(
-        0, chunk, values, "amax")
+        0, chunk, values, "amax"
+    )
     span = high - low  # >= 0 unless it wrapped
     low_rows = low[chunk]
     after = low_rows - origin  # >= 0 unless it wrapped
@@ -168,8 +171,9 @@ SUMMARY_SLOTS = 2 * CHUNK // SUMMARY_GRAIN
 """Summary slots per chunk: ``CHUNK / b`` blocks for each block size ``b = 16, 32, .., CHUNK`` (31), one spare."""
 
 
-def block_summaries(time32: torch.Tensor, next32: torch.Tensor, chunk: torch.Tensor, i: torch.Tensor,
-                    nchunks: int) -> torch.Tensor:
+def block_summaries(
+    time32: torch.Tensor, next32: torch.Tensor, chunk: torch.Tensor, i: torch.Tensor, nchunks: int
+) -> torch.Tensor:
     """int32 ``(nchunks, SUMMARY_SLOTS, 4)``: for every chunk, block size ``b`` (a power of two from
     ``SUMMARY_GRAIN`` to ``CHUNK``) and block ``j`` of the chunk (rows ``j b .. j b + b - 1`` of it), at slot
     ``SUMMARY_SLOTS - 2 CHUNK / b + j``: the min of ``time32``, minus its max, the min of ``next32``, minus its max
@@ -190,8 +194,33 @@ def block_summaries(time32: torch.Tensor, next32: torch.Tensor, chunk: torch.Ten
     return torch.cat(levels, 1)
 
 
+def chunked_times(times: torch.Tensor, seq_offsets: torch.Tensor, total: int) -> tuple[torch.Tensor, ...]:
+    """The per-row time arguments of the kernels, as plain torch ops (the definition; ``prepare`` computes the
+    same in two Triton launches, ``bias_prepare``): ``time32``, ``time_base``, ``next32``, ``next_base``, the
+    int64 next times, ``seq_wide`` and ``summary`` (``Bias``). ``times``: int64 ``(total,)``."""
+    seq, i, length = row_coords(seq_offsets, total)
+    t = torch.arange(total, device=times.device)
+    nxt = times[torch.where(i + 1 < length, t + 1, t)]
+    # Chunk c of sequence b gets flat slot offs[b] // CHUNK + b + c (as the block tables): no prefix sum.
+    chunk = seq_offsets[seq] // CHUNK + seq + i // CHUNK
+    nchunks = total // CHUNK + seq_offsets.numel() - 1
+    big = torch.iinfo(torch.int64).max
+    seq_low = torch.full((seq_offsets.numel() - 1,), big, dtype=torch.int64, device=times.device).scatter_reduce(
+        0, seq, times, "amin"
+    )[seq]  # every row's sequence's earliest time: the origin of its chunk bases
+    time32, time_base = _chunked(times, chunk, nchunks, seq_low)
+    next32, next_base = _chunked(nxt, chunk, nchunks, seq_low)
+    wide_row = (time_base.isnan() | next_base.isnan()).to(torch.int32)
+    seq_wide = torch.zeros(seq_offsets.numel() - 1, dtype=torch.int32, device=times.device).scatter_reduce_(
+        0, seq, wide_row, "amax"
+    )
+    summary = block_summaries(time32, next32, chunk, i, nchunks)
+    return time32, time_base, next32, next_base, nxt, seq_wide, summary
+
+
 def prepare(rel_bias: RelativeBias, seq_offsets: torch.Tensor, total: int, with_grads: bool) -> Prepared:
-    """The kernel arguments of a relative bias for a batch of ``total >= 1`` rows (device torch ops only).
+    """The kernel arguments of a relative bias for a batch of ``total >= 1`` rows (device ops only, no host read:
+    a few torch ops and ``bias_prepare``'s two launches for the per-row times).
 
     ``seq_offsets``: int64 contiguous ``(B + 1,)``. Gradient buffers are zero-filled when ``with_grads``,
     else empty placeholders that no kernel reads.
@@ -203,28 +232,34 @@ def prepare(rel_bias: RelativeBias, seq_offsets: torch.Tensor, total: int, with_
     if pad:
         pos = torch.cat([pos[:, :1].expand(-1, pad), pos, pos[:, -1:].expand(-1, pad)], dim=1)
     ts = _heads(rel_bias.ts_w)
-    seq, i, length = row_coords(seq_offsets, total)
-    times = rel_bias.timestamps.to(torch.int64)
-    t = torch.arange(total, device=times.device)
-    nxt = times[torch.where(i + 1 < length, t + 1, t)]
-    # Chunk c of sequence b gets flat slot offs[b] // CHUNK + b + c (as the block tables): no prefix sum.
-    chunk = seq_offsets[seq] // CHUNK + seq + i // CHUNK
-    nchunks = total // CHUNK + seq_offsets.numel()
-    big = torch.iinfo(torch.int64).max
-    seq_low = torch.full((seq_offsets.numel() - 1,), big, dtype=torch.int64, device=times.device).scatter_reduce(
-        0, seq, times, "amin")[seq]  # every row's sequence's earliest time: the origin of its chunk bases
-    time32, time_base = _chunked(times, chunk, nchunks, seq_low)
-    next32, next_base = _chunked(nxt, chunk, nchunks, seq_low)
-    wide_row = (time_base.isnan() | next_base.isnan()).to(torch.int32)
-    seq_wide = torch.zeros(seq_offsets.numel() - 1, dtype=torch.int32, device=times.device).scatter_reduce_(
-        0, seq, wide_row, "amax")
-    summary = block_summaries(time32, next32, chunk, i, nchunks)
+    times = rel_bias.timestamps.to(torch.int64).contiguous()
+    time32, time_base, next32, next_base, nxt, seq_wide, summary = chunked_times_triton(
+        times, seq_offsets, total, CHUNK, SUMMARY_GRAIN, SUMMARY_SLOTS, INT32_SPAN, BASE_SPAN
+    )
     edges, edges32, max_bucket = edges_tensors(ts.shape[1] - 1, times.device)
     dpos = torch.zeros_like(pos) if with_grads else pos.new_empty(0)
     dts = torch.zeros_like(ts) if with_grads else ts.new_empty(0)
-    args = Bias(pos, pos.stride(0) if pos.shape[0] > 1 else 0, pad + half, ts, ts.stride(0) if ts.shape[0] > 1 else 0,
-                ts.shape[1] - 1, max_bucket, edges, edges32, time32, time_base, next32, next_base, times.contiguous(),
-                nxt.contiguous(), seq_wide, summary, dpos, dts)
+    args = Bias(
+        pos,
+        pos.stride(0) if pos.shape[0] > 1 else 0,
+        pad + half,
+        ts,
+        ts.stride(0) if ts.shape[0] > 1 else 0,
+        ts.shape[1] - 1,
+        max_bucket,
+        edges,
+        edges32,
+        time32,
+        time_base,
+        next32,
+        next_base,
+        times,
+        nxt,
+        seq_wide,
+        summary,
+        dpos,
+        dts,
+    )
     return Prepared(args, pad, n_pos)
 
 
