@@ -90,7 +90,8 @@ VARIANTS = {
             _both(
                 _replace("s = _add_wide_time_steps(s, tsw, bias, seq_start, L, rows, cols, TRANS)", "s = s"),
                 _replace(
-                    "s = _add_time_steps(s, tsw, bias, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, TRANS)", "s = s"
+                    "s = _add_time_steps(s, tsw, bias, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, sgn, TRANS)",
+                    "s = s",
                 ),
             ),
         )
@@ -99,8 +100,8 @@ VARIANTS = {
         (
             BIAS,
             _replace(
-                "    return bucket_of(bias, gmin), bucket_of(bias, gmax)\n",
-                "    b = bucket_of(bias, gmin)\n    return b, b\n",
+                "    return bucket_of(bias, gmin), bucket_of(bias, gmax), sgn\n",
+                "    b = bucket_of(bias, gmin)\n    return b, b, sgn\n",
             ),
         )
     ],

@@ -246,16 +246,18 @@ def _bias_probe_kernel(bias, OFFS, OUT, n, BM: tl.constexpr, BN: tl.constexpr, T
             cols = n0 + tl.arange(0, BN)
             bi, bmin, bmax, base_b = bias_tiles.bias_cols(bias, b, seq_start, L, cols, n0)
             d = base_a - base_b
-            b_lo, b_hi = bias_tiles.tile_buckets(bias, amin, amax, bmin, bmax, d)
+            b_lo, b_hi, sgn = bias_tiles.tile_buckets(bias, amin, amax, bmin, bmax, d)
             ok = (rows[:, None] < L) & (cols[None, :] < L)
             out = OUT + ((b * tl.num_programs(2) + h) * n + rows[:, None]) * n + cols[None, :]
             if TRANS:
                 zero = tl.zeros((BN, BM), tl.float32)
-                t = bias_tiles.add_bias(zero, bias, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, True, WIDE)
+                t = bias_tiles.add_bias(zero, bias, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, sgn, True, WIDE)
                 tl.store(out, tl.trans(t), mask=ok)
             else:
                 zero = tl.zeros((BM, BN), tl.float32)
-                t = bias_tiles.add_bias(zero, bias, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, False, WIDE)
+                t = bias_tiles.add_bias(
+                    zero, bias, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, sgn, False, WIDE
+                )
                 tl.store(out, t, mask=ok)
 
 

@@ -201,9 +201,9 @@ def _key_block(Q, K, V, DO, DK, DV, func, rule, OFFS, KTAB, BOUNDS, QLO, QHI, it
             if HAS_BIAS:
                 amin, amax, base_a = row_span(BIAS, seq, seq_start, m0, BLOCK_M)
                 d = base_a - base_b
-                b_lo, b_hi = tile_buckets(BIAS, amin, amax, bmin, bmax, d)
+                b_lo, b_hi, sgn = tile_buckets(BIAS, amin, amax, bmin, bmax, d)
                 if m0 < L:  # always: keeps the pipeliner off the bias loads (bias.PIPELINE_GUARD)
-                    s = add_bias(s, BIAS, h, seq_start, L, rows, cols, 0, bi, d, b_lo, b_hi, True,
+                    s = add_bias(s, BIAS, h, seq_start, L, rows, cols, 0, bi, d, b_lo, b_hi, sgn, True,
                                  WIDE_PASS)
             if HAS_RAB:
                 s = add_rab(s, RAB, rab_b, L, rows, cols, True)
@@ -241,7 +241,7 @@ def _key_block(Q, K, V, DO, DK, DV, func, rule, OFFS, KTAB, BOUNDS, QLO, QHI, it
             if RAB_GRAD:
                 store_rab_grad(DRAB, drab_b, L, rows, cols, ds32 * dv_scale, True, RAB_SHARED)
             if BIAS_GRAD:
-                bias_grad(BIAS, h, seq_start, L, ds, rows, cols, 0, bi, d, b_lo, b_hi, dv_scale,
+                bias_grad(BIAS, h, seq_start, L, ds, rows, cols, 0, bi, d, b_lo, b_hi, sgn, dv_scale,
                           DOT_PRECISION, True, WIDE_PASS)
             acc_v += tl.dot(p, do, input_precision=DOT_PRECISION)
             acc_k += tl.dot(ds, q, input_precision=DOT_PRECISION)

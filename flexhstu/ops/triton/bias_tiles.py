@@ -125,24 +125,33 @@ def bucket_of(bias, x):
 @triton.jit
 def tile_buckets(bias, amin, amax, bmin, bmax, d):
     """The buckets ``(b_lo, b_hi)`` of the smallest and largest ``|a - b + d|`` for ``a`` in ``[amin, amax]`` (the
-    rows' next times) and ``b`` in ``[bmin, bmax]`` (the keys' times): every pair's bucket lies between."""
+    rows' next times) and ``b`` in ``[bmin, bmax]`` (the keys' times): every pair's bucket lies between; and the
+    gaps' common sign ``sgn`` (1: all ``>= 0``, -1: all ``<= 0``, 0: both signs), which lets a pair be compared
+    with one threshold per edge instead of two (``_far``)."""
     d = tl.where(d == d, d, 0.0)  # NaN: a wide chunk, whose tiles find their buckets themselves (add_bias)
     lo = (amin - bmax).to(tl.float64) + d
     hi = (amax - bmin).to(tl.float64) + d
     gmin = tl.where(lo >= 0, lo, tl.where(hi <= 0, -hi, 0.0))
     gmax = tl.maximum(hi, -lo)
-    return bucket_of(bias, gmin), bucket_of(bias, gmax)
+    sgn = tl.where(lo >= 0, 1, tl.where(hi <= 0, -1, 0))
+    return bucket_of(bias, gmin), bucket_of(bias, gmax), sgn
 
 
 @triton.jit
-def _far(bias, k, ai, bi, d, TRANS: tl.constexpr):
+def _far(bias, k, ai, bi, d, TRANS: tl.constexpr, ONE_SIDED: tl.constexpr):
     """Pairs whose gap ``ai - bi + d`` reaches edge ``k`` in magnitude: ``x = ai - bi`` against two thresholds
-    saturated to int32 (every ``x`` lies strictly inside, so saturation keeps each comparison's outcome)."""
+    saturated to int32 (every ``x`` lies strictly inside, so saturation keeps each comparison's outcome).
+    ONE_SIDED: every gap of the tile is ``>= 0`` (a tile of gaps ``<= 0`` passes ``-ai``, ``-bi``, ``-d``), so
+    ``|gap| >= E_k`` is ``x >= E_k - d`` alone (``E_k >= 1``: a gap ``>= 0`` never reaches ``-E_k``)."""
     e = tl.load(bias.edges + k)
     hi = tl.minimum(tl.maximum(e - d, -INT32_SPAN_F), INT32_SPAN_F).to(tl.int32)
-    lo = tl.minimum(tl.maximum(-e - d, -INT32_SPAN_F), INT32_SPAN_F).to(tl.int32)
     x = ai[None, :] - bi[:, None] if TRANS else ai[:, None] - bi[None, :]
-    return (x >= hi) | (x <= lo)
+    if ONE_SIDED:
+        far = x >= hi
+    else:
+        lo = tl.minimum(tl.maximum(-e - d, -INT32_SPAN_F), INT32_SPAN_F).to(tl.int32)
+        far = (x >= hi) | (x <= lo)
+    return far
 
 
 @triton.jit
@@ -153,8 +162,8 @@ def query_major_bias(s, bias, brows, h, seq_start, L, rows, cols, n0, WIDE: tl.c
     if n0 < L:  # always (walks visit key blocks inside the sequence): see PIPELINE_GUARD
         bmin, bmax, base_b = col_span(bias, seq, seq_start, n0, cols.shape[0])
         d = base_a - base_b
-        b_lo, b_hi = tile_buckets(bias, amin, amax, bmin, bmax, d)
-        s = add_bias(s, bias, h, seq_start, L, rows, cols, ai, 0, d, b_lo, b_hi, False, WIDE)
+        b_lo, b_hi, sgn = tile_buckets(bias, amin, amax, bmin, bmax, d)
+        s = add_bias(s, bias, h, seq_start, L, rows, cols, ai, 0, d, b_lo, b_hi, sgn, False, WIDE)
     return s
 
 
@@ -209,25 +218,35 @@ def _tile_times(bias, seq_start, L, rows, cols, ai, bi, TRANS: tl.constexpr):
 
 
 @triton.jit
-def _add_time_steps(s, tsw, bias, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, TRANS: tl.constexpr):
+def _time_steps(s, w, tsw, bias, ai, bi, d, b_lo, b_hi, TRANS: tl.constexpr, ONE_SIDED: tl.constexpr):
+    """``s`` plus, for each edge in ``b_lo + 1 .. b_hi``, the step to the next weight where the pair reaches it."""
+    # The first UNROLLED edges unrolled, the rest in a loop behind a branch: a loop directly in the kernels'
+    # main loop stops Triton's software pipelining of the K/V loads (seen on sm_90); a branch does not.
+    for j in tl.static_range(UNROLLED):
+        k = b_lo + 1 + j
+        if k <= b_hi:
+            w_next = tl.load(tsw + k)
+            s += tl.where(_far(bias, k, ai, bi, d, TRANS, ONE_SIDED), w_next - w, 0.0)
+            w = w_next
+    if b_hi - b_lo > UNROLLED:
+        for k in range(b_lo + 1 + UNROLLED, b_hi + 1):
+            w_next = tl.load(tsw + k)
+            s += tl.where(_far(bias, k, ai, bi, d, TRANS, ONE_SIDED), w_next - w, 0.0)
+            w = w_next
+    return s
+
+
+@triton.jit
+def _add_time_steps(s, tsw, bias, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, sgn, TRANS: tl.constexpr):
     """``s`` plus the time weight of every pair of an int32 tile (``add_bias``)."""
     w = tl.load(tsw + b_lo)
     s += w
     if b_hi > b_lo:
         av, bv = _tile_times(bias, seq_start, L, rows, cols, ai, bi, TRANS)
-        # The first UNROLLED edges unrolled, the rest in a loop behind a branch: a loop directly in the kernels'
-        # main loop stops Triton's software pipelining of the K/V loads (seen on sm_90); a branch does not.
-        for j in tl.static_range(UNROLLED):
-            k = b_lo + 1 + j
-            if k <= b_hi:
-                w_next = tl.load(tsw + k)
-                s += tl.where(_far(bias, k, av, bv, d, TRANS), w_next - w, 0.0)
-                w = w_next
-        if b_hi - b_lo > UNROLLED:
-            for k in range(b_lo + 1 + UNROLLED, b_hi + 1):
-                w_next = tl.load(tsw + k)
-                s += tl.where(_far(bias, k, av, bv, d, TRANS), w_next - w, 0.0)
-                w = w_next
+        if sgn != 0:  # one compare per pair and edge: gaps of one sign, as sgn * gap >= 0
+            s = _time_steps(s, w, tsw, bias, av * sgn, bv * sgn, d * sgn, b_lo, b_hi, TRANS, True)
+        else:
+            s = _time_steps(s, w, tsw, bias, av, bv, d, b_lo, b_hi, TRANS, False)
     return s
 
 
@@ -245,11 +264,12 @@ def _add_wide_time_steps(s, tsw, bias, seq_start, L, rows, cols, TRANS: tl.const
 
 
 @triton.jit
-def add_bias(s, bias, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, TRANS: tl.constexpr,
+def add_bias(s, bias, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, sgn, TRANS: tl.constexpr,
              WIDE: tl.constexpr):
     """``s`` plus the float32 bias of its tile, ``(rows, cols)``, or ``(cols, rows)`` when TRANS; ``ai``, ``bi``:
     the rows' and keys' int32 times, of which only the program's held side is read (``bi`` when TRANS, else
-    ``ai``; pass anything for the other), ``d`` the difference of their bases, ``b_lo .. b_hi``: ``tile_buckets``.
+    ``ai``; pass anything for the other), ``d`` the difference of their bases, ``b_lo .. b_hi`` and ``sgn``:
+    ``tile_buckets``.
 
     The position entry and the lowest bucket's weight first; then for each edge between ``b_lo`` and ``b_hi``
     the step to the next bucket's weight where the pair's gap reaches it (the float32 sum of the steps
@@ -267,9 +287,9 @@ def add_bias(s, bias, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, TRANS:
         if d != d:
             s = _add_wide_time_steps(s, tsw, bias, seq_start, L, rows, cols, TRANS)
         else:
-            s = _add_time_steps(s, tsw, bias, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, TRANS)
+            s = _add_time_steps(s, tsw, bias, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, sgn, TRANS)
     else:
-        s = _add_time_steps(s, tsw, bias, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, TRANS)
+        s = _add_time_steps(s, tsw, bias, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, sgn, TRANS)
     return s
 
 
@@ -308,21 +328,31 @@ def _reached_sum(g, far):
 
 
 @triton.jit
-def _time_grads(g, dts, prev, bias, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, TRANS: tl.constexpr):
+def _edge_grads(g, dts, prev, bias, ai, bi, d, b_lo, b_hi, TRANS: tl.constexpr, ONE_SIDED: tl.constexpr):
+    """The gradients of buckets ``b_lo .. b_hi - 1`` (``_time_grads``); returns the last bucket's."""
+    for j in tl.static_range(UNROLLED):  # as in add_bias
+        k = b_lo + 1 + j
+        if k <= b_hi:
+            part = _reached_sum(g, _far(bias, k, ai, bi, d, TRANS, ONE_SIDED))
+            tl.atomic_add(dts + k - 1, prev - part, sem="relaxed")
+            prev = part
+    if b_hi - b_lo > UNROLLED:
+        for k in range(b_lo + 1 + UNROLLED, b_hi + 1):
+            part = _reached_sum(g, _far(bias, k, ai, bi, d, TRANS, ONE_SIDED))
+            tl.atomic_add(dts + k - 1, prev - part, sem="relaxed")
+            prev = part
+    return prev
+
+
+@triton.jit
+def _time_grads(g, dts, prev, bias, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, sgn, TRANS: tl.constexpr):
     """The time-bucket gradients of an int32 tile (``bias_grad``); ``prev``: the tile's total."""
     if b_hi > b_lo:
         av, bv = _tile_times(bias, seq_start, L, rows, cols, ai, bi, TRANS)
-        for j in tl.static_range(UNROLLED):  # as in add_bias
-            k = b_lo + 1 + j
-            if k <= b_hi:
-                part = _reached_sum(g, _far(bias, k, av, bv, d, TRANS))
-                tl.atomic_add(dts + k - 1, prev - part, sem="relaxed")
-                prev = part
-        if b_hi - b_lo > UNROLLED:
-            for k in range(b_lo + 1 + UNROLLED, b_hi + 1):
-                part = _reached_sum(g, _far(bias, k, av, bv, d, TRANS))
-                tl.atomic_add(dts + k - 1, prev - part, sem="relaxed")
-                prev = part
+        if sgn != 0:  # as in _add_time_steps
+            prev = _edge_grads(g, dts, prev, bias, av * sgn, bv * sgn, d * sgn, b_lo, b_hi, TRANS, True)
+        else:
+            prev = _edge_grads(g, dts, prev, bias, av, bv, d, b_lo, b_hi, TRANS, False)
     tl.atomic_add(dts + b_hi, prev, sem="relaxed")
 
 
@@ -338,7 +368,7 @@ def _wide_time_grads(g, dts, prev, bias, seq_start, L, rows, cols, TRANS: tl.con
 
 
 @triton.jit
-def bias_grad(bias, h, seq_start, L, ds, rows, cols, ai, bi, d, b_lo, b_hi, scale, DOT_PRECISION: tl.constexpr,
+def bias_grad(bias, h, seq_start, L, ds, rows, cols, ai, bi, d, b_lo, b_hi, sgn, scale, DOT_PRECISION: tl.constexpr,
               TRANS: tl.constexpr, WIDE: tl.constexpr):
     """Add this tile's table gradients into ``bias.dts`` and ``bias.dpos``: ``ds`` is the tile's masked
     gradient of the pre-silu scores divided by ``scale`` (``(cols, rows)`` when TRANS, else ``(rows, cols)``);
@@ -353,9 +383,9 @@ def bias_grad(bias, h, seq_start, L, ds, rows, cols, ai, bi, d, b_lo, b_hi, scal
         if d != d:
             _wide_time_grads(g, dts, prev, bias, seq_start, L, rows, cols, TRANS)
         else:
-            _time_grads(g, dts, prev, bias, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, TRANS)
+            _time_grads(g, dts, prev, bias, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, sgn, TRANS)
     else:
-        _time_grads(g, dts, prev, bias, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, TRANS)
+        _time_grads(g, dts, prev, bias, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, sgn, TRANS)
     # Positions: diagonal sums of the tile, then one atomic per (block diagonal, offset).
     X: tl.constexpr = ds.shape[0]
     Y: tl.constexpr = ds.shape[1]
