@@ -452,3 +452,19 @@ def test_the_two_launch_prepare_equals_the_torch_definition_bit_for_bit(times):
         assert torch.equal(a, b), name
     if times == "wide":
         assert bool(want[5].any()), "the wide case holds a wide sequence"
+
+
+def test_the_two_launch_prepare_follows_safe_offsets_when_given_bad_ones():
+    """Offsets past ``total`` (unchecked on CUDA, where validating them would need a sync): the preparation
+    follows the clamped offsets the attention kernels follow, so no program writes outside its buffers."""
+    from flexhstu.ops.triton.bias_prepare import chunked_times_triton
+    from flexhstu.ops.triton.block_tables import safe_offsets
+
+    total = 300
+    bad = torch.tensor([0, 290, 600], dtype=torch.int64, device=DEVICE)
+    ts = make_times([290, 10], "unsorted").to(DEVICE)
+    consts = (bias_tables.CHUNK, bias_tables.SUMMARY_GRAIN, bias_tables.SUMMARY_SLOTS)
+    got = chunked_times_triton(ts, bad, total, *consts, bias_tables.INT32_SPAN, bias_tables.BASE_SPAN)
+    want = bias_tables.chunked_times(ts, safe_offsets(bad, total), total)
+    for a, b in zip(got, want):
+        assert torch.equal(a.nan_to_num(), b.nan_to_num())

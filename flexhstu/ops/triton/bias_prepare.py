@@ -1,13 +1,14 @@
-"""The per-row times of ``bias_tables.prepare`` in two Triton launches instead of ~90 small torch ops.
+"""The per-row times of ``bias_tables.prepare`` in four small launches instead of ~90 torch ops.
 
 What they compute is ``bias_tables.chunked_times`` (plain torch, kept as the definition and the tests'
 reference), bit for bit: per 256-row chunk of a sequence its time range, each row's int32 offset from its
 chunk's minimum and that minimum's float64 distance from the sequence's earliest time (NaN for a wide
 chunk), the same for the next times, which sequences hold a wide chunk, and the per-block summaries.
-One program per chunk slot (``block_tables.block_table`` with 256-row blocks): ``_chunk_ranges`` reduces
-its chunk and folds its minimum into its sequence's origin (an atomic min), ``_chunk_rows`` writes the
-rows. On the H100 the torch version cost ~0.6 ms of device time per call (B4 S8192), as much as the
-attention forward without the bias.
+One program per chunk slot (``block_tables.block_table`` with 256-row blocks, over ``safe_offsets``, so that
+bad offsets cannot make a program write outside its buffers): ``_chunk_ranges`` reduces its chunk and folds
+its minimum into its sequence's origin (an atomic min), ``_chunk_rows`` writes the rows. On the H100 the
+torch version cost ~0.6 ms of device time per call (B4 S8192), as much as the attention forward without
+the bias; these launches ~10 us.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .block_tables import block_table, locate_block
+from .block_tables import block_table, locate_block, safe_offsets
 
 I64_MAX = tl.constexpr(2**63 - 1)
 I32_MAX = tl.constexpr(2**31 - 1)
@@ -42,7 +43,7 @@ def _times_of(T, seq_start, local, ok, L):
 def _chunk_ranges(T, OFFS, TAB, RANGES, ORIGIN, CHUNK: tl.constexpr):
     """Per chunk slot: min and max of its times and next times into ``RANGES[slot, 0:4]``; its times' min folded
     into ``ORIGIN[seq]`` (the sequence's earliest time)."""
-    slot = tl.program_id(0)
+    slot = tl.program_id(0).to(tl.int64)  # the summary's offsets pass 2^31 beyond 2^24 slots
     seq, seq_start, local, ok, any_rows, L = _chunk_rows_of(TAB, OFFS, slot, CHUNK)
     if any_rows:
         t, nxt = _times_of(T, seq_start, local, ok, L)
@@ -112,7 +113,7 @@ def _chunk_rows(
     BASE_SPAN: tl.constexpr,
 ):
     """Per chunk slot: its rows' int32 offsets and bases, next times, its sequence's wide flag, its summaries."""
-    slot = tl.program_id(0)
+    slot = tl.program_id(0).to(tl.int64)  # the summary's offsets pass 2^31 beyond 2^24 slots
     seq, seq_start, local, ok, any_rows, L = _chunk_rows_of(TAB, OFFS, slot, CHUNK)
     t32 = tl.zeros((CHUNK,), dtype=tl.int32)
     n32 = tl.zeros((CHUNK,), dtype=tl.int32)
@@ -145,10 +146,12 @@ def chunked_times_triton(
     int32_span: int,
     base_span: int,
 ):
-    """``bias_tables.chunked_times`` (same outputs) in three launches: the chunk table and the two kernels."""
+    """``bias_tables.chunked_times`` (same outputs, for valid offsets) in four launches: the safe offsets, the
+    chunk table and the two kernels."""
     assert chunk == 16 * grain and slots == 2 * chunk // grain, "bias_prepare: summaries of five block sizes"
     dev = times.device
     nseq = seq_offsets.numel() - 1
+    seq_offsets = safe_offsets(seq_offsets, total)
     tab, nchunks = block_table(seq_offsets, total, chunk)
     ranges = torch.empty(nchunks, 4, dtype=torch.int64, device=dev)
     origin = torch.full((max(nseq, 1),), 2**63 - 1, dtype=torch.int64, device=dev)

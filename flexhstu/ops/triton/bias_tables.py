@@ -99,7 +99,7 @@ class Bias(NamedTuple):
     more: its offsets are saturated and unused); ``time64`` / ``next64``: the int64 times themselves, read
     by tiles that touch a wide chunk; ``seq_wide``: int32 ``(B,)``, 1 for a sequence with a wide chunk (its
     programs run a walk that holds the int64 path, the others one without it: ``add_bias``); ``summary``: int32
-    ``(chunks, SUMMARY_SLOTS, 4)``, per chunk and aligned block the min and max of ``time32`` and ``next32``
+    ``(chunks, SUMMARY_SLOTS, 4)``, per chunk and aligned block the min and minus the max of ``time32`` and ``next32``
     (``block_summaries``), so that a tile bounds its gaps from four scalars; ``dpos`` /
     ``dts``: float32 gradient buffers shaped like ``pos`` / ``ts`` (zeros; written by the dK/dV kernel) or
     empty."""
@@ -178,8 +178,8 @@ def block_summaries(
     ``SUMMARY_GRAIN`` to ``CHUNK``) and block ``j`` of the chunk (rows ``j b .. j b + b - 1`` of it), at slot
     ``SUMMARY_SLOTS - 2 CHUNK / b + j``: the min of ``time32``, minus its max, the min of ``next32``, minus its max
     (maxima negated: one ``amin`` makes all four). Rows past a sequence's end hold nothing (a block's
-    bounds are its rows'), as the per-row reads clamp to the last row. Five small device ops besides the scatter,
-    no host read; a tile then reads two scalars instead of reducing a vector (``bias_tiles.block_span``)."""
+    bounds are its rows'), as the per-row reads clamp to the last row. Device ops only, no host read; a tile
+    then reads two scalars instead of reducing a vector (``bias_tiles.block_span``)."""
     vals = torch.stack((time32, -time32, next32, -next32), 1)
     grains = CHUNK // SUMMARY_GRAIN
     slot = (chunk * grains + (i % CHUNK) // SUMMARY_GRAIN)[:, None].expand(-1, 4)
@@ -196,7 +196,7 @@ def block_summaries(
 
 def chunked_times(times: torch.Tensor, seq_offsets: torch.Tensor, total: int) -> tuple[torch.Tensor, ...]:
     """The per-row time arguments of the kernels, as plain torch ops (the definition; ``prepare`` computes the
-    same in two Triton launches, ``bias_prepare``): ``time32``, ``time_base``, ``next32``, ``next_base``, the
+    same in a few Triton launches, ``bias_prepare``): ``time32``, ``time_base``, ``next32``, ``next_base``, the
     int64 next times, ``seq_wide`` and ``summary`` (``Bias``). ``times``: int64 ``(total,)``."""
     seq, i, length = row_coords(seq_offsets, total)
     t = torch.arange(total, device=times.device)
@@ -220,7 +220,7 @@ def chunked_times(times: torch.Tensor, seq_offsets: torch.Tensor, total: int) ->
 
 def prepare(rel_bias: RelativeBias, seq_offsets: torch.Tensor, total: int, with_grads: bool) -> Prepared:
     """The kernel arguments of a relative bias for a batch of ``total >= 1`` rows (device ops only, no host read:
-    a few torch ops and ``bias_prepare``'s two launches for the per-row times).
+    a few torch ops and ``bias_prepare``'s launches for the per-row times).
 
     ``seq_offsets``: int64 contiguous ``(B + 1,)``. Gradient buffers are zero-filled when ``with_grads``,
     else empty placeholders that no kernel reads.

@@ -71,7 +71,7 @@ def block_span(bias, seq, seq_start, p0, BS: tl.constexpr, NEXT: tl.constexpr):
     """The min and max of the int32 times (NEXT: next times) of the ``BS`` rows of sequence ``seq`` from local
     position ``p0`` (a multiple of BS), rows past its end left out: two scalar loads of ``bias.summary``
     (``bias_tables.block_summaries``)."""
-    tl.static_assert(BS >= GRAIN and BS <= CHUNK_ROWS, "bias tiles: blocks of 16 to 256 rows")
+    tl.static_assert(BS >= GRAIN and BS <= CHUNK_ROWS, "the relative bias needs tiles of 16 to 256 rows")
     chunk = seq_start // CHUNK_ROWS + seq + p0 // CHUNK_ROWS
     within = p0 - (p0 // CHUNK_ROWS) * CHUNK_ROWS  # p0 % CHUNK (the interpreter has no int % constexpr)
     slot = chunk * SLOTS + (SLOTS - 2 * CHUNK_ROWS // BS) + within // BS
@@ -142,7 +142,8 @@ def _far(bias, k, ai, bi, d, TRANS: tl.constexpr, ONE_SIDED: tl.constexpr):
     """Pairs whose gap ``ai - bi + d`` reaches edge ``k`` in magnitude: ``x = ai - bi`` against two thresholds
     saturated to int32 (every ``x`` lies strictly inside, so saturation keeps each comparison's outcome).
     ONE_SIDED: every gap of the tile is ``>= 0`` (a tile of gaps ``<= 0`` passes ``-ai``, ``-bi``, ``-d``), so
-    ``|gap| >= E_k`` is ``x >= E_k - d`` alone (``E_k >= 1``: a gap ``>= 0`` never reaches ``-E_k``)."""
+    ``|gap| >= E_k`` is ``x >= E_k - d`` alone (``E_k >= 0``: a gap ``>= 0`` reaches ``-E_k`` only when 0, and
+    then reaches ``E_k`` as well)."""
     e = tl.load(bias.edges + k)
     hi = tl.minimum(tl.maximum(e - d, -INT32_SPAN_F), INT32_SPAN_F).to(tl.int32)
     x = ai[None, :] - bi[:, None] if TRANS else ai[:, None] - bi[None, :]
