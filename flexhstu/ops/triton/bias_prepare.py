@@ -70,10 +70,11 @@ def _offsets(v, low, high, origin, INT32_SPAN: tl.constexpr, BASE_SPAN: tl.const
 
 
 @triton.jit
-def _level(SUMMARY, slot, m, at: tl.constexpr, COL: tl.constexpr, SLOTS: tl.constexpr):
-    """Store one block size's minima ``m`` at slots ``at ..`` of column COL; return the next size's."""
+def _level(SUMMARY, slot, m, COL: tl.constexpr, SLOTS: tl.constexpr):
+    """Store one block size's minima ``m`` (``n`` blocks a chunk) at slots ``SLOTS - 2 n ..`` of column COL, the
+    slots ``bias_tiles.block_span`` reads; return the next size's."""
     n: tl.constexpr = m.shape[0]
-    tl.store(SUMMARY + (slot * SLOTS + at + tl.arange(0, n)) * 4 + COL, m)
+    tl.store(SUMMARY + (slot * SLOTS + SLOTS - 2 * n + tl.arange(0, n)) * 4 + COL, m)
     return tl.min(tl.reshape(m, (n // 2, 2)), axis=1) if n > 1 else m
 
 
@@ -84,11 +85,8 @@ def _store_summary(
     """The min of ``x`` over every aligned block of GRAIN .. CHUNK rows (rows not ``ok``: none) into column COL:
     16 blocks of GRAIN rows at slot 0, 8 of 2 GRAIN at 16, .., the whole chunk at 30, 0 in the spare slot 31."""
     m = tl.min(tl.reshape(tl.where(ok, x, I32_MAX), (CHUNK // GRAIN, GRAIN)), axis=1)
-    m = _level(SUMMARY, slot, m, 0, COL, SLOTS)
-    m = _level(SUMMARY, slot, m, 16, COL, SLOTS)
-    m = _level(SUMMARY, slot, m, 24, COL, SLOTS)
-    m = _level(SUMMARY, slot, m, 28, COL, SLOTS)
-    _level(SUMMARY, slot, m, 30, COL, SLOTS)
+    for _ in tl.static_range(5):  # CHUNK / GRAIN = 16 blocks, then 8, 4, 2, 1
+        m = _level(SUMMARY, slot, m, COL, SLOTS)
     tl.store(SUMMARY + (slot * SLOTS + SLOTS - 1) * 4 + COL, 0)
 
 
