@@ -30,7 +30,9 @@ from .timing import Latency
 
 @dataclass
 class ScoringRow:
-    path: str  # "cached", "cached, eager" or "full" (micro_batch None: one forward; m: one per micro-batch)
+    # "cached" (CUDA graphs as the default takes them), "cached, eager", "cached, graphs" or "full" (micro_batch
+    # None: one forward; m: one per micro-batch)
+    path: str
     hist: int
     cands: int  # per user
     layers: int
@@ -89,12 +91,17 @@ def _scoring_group(model: OneRankModel, grid: Grid, setup: Setup, *, hist: int, 
                 if full_scores is not None:
                     row.rel_diff = rel_diff(scores, full_scores)
             yield row
-        # On CUDA, micro-batched requests also run without CUDA graphs ("cached, eager"): what the graphs save.
-        both = ("cached, eager", "cached")
+
+        # On CUDA, micro-batched requests also run without CUDA graphs ("cached, eager": what the graphs save),
+        # and with them forced where the default does not take them ("cached, graphs": above GRAPH_MAX_ROWS).
+        def cuda_paths(m: int, cands: int = cands) -> tuple[str, ...]:
+            over = users * min(m, cands) * GROUP > serving.GRAPH_MAX_ROWS
+            return ("cached, eager", "cached", "cached, graphs") if over else ("cached, eager", "cached")
+
         paths = [
             (m, p)
             for m in grid.micro_batch
-            for p in (both if m is not None and setup.device.type == "cuda" else ("cached",))
+            for p in (cuda_paths(m) if m is not None and setup.device.type == "cuda" else ("cached",))
         ]
         for micro_batch, path in paths:
             row = ScoringRow(path=path, hist=hist, cands=cands, layers=layers, users=users, micro_batch=micro_batch)
@@ -102,7 +109,7 @@ def _scoring_group(model: OneRankModel, grid: Grid, setup: Setup, *, hist: int, 
                 row.status = f"{caching.status} (caching the histories)"
             else:
                 with reported(row, setup.device):
-                    graphs = False if path == "cached, eager" else None
+                    graphs = {"cached, eager": False, "cached, graphs": True}.get(path)
                     scores, lat = latencies(
                         functools.partial(
                             model.score_cached,

@@ -1,6 +1,6 @@
 """The func format: builders, validation, dense <-> intervals, pictures."""
 
-from .builders import causal, fixed, onerank, sla
+from .builders import causal, fixed, onerank, onerank_rows, sla
 from .format import HSTU_ARBITRARY_NFUNC, count_visible, from_dense, num_intervals, to_dense, validate, widen
 from .rules import dense_fixed
 
@@ -13,6 +13,7 @@ __all__ = [
     "from_dense",
     "num_intervals",
     "onerank",
+    "onerank_rows",
     "sla",
     "to_dense",
     "validate",

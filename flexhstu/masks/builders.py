@@ -198,7 +198,18 @@ def onerank(
         if bool(bad.any()):
             b = int(torch.nonzero(bad)[0, 0])
             raise bad_value(f"num_targets[{b}]", f"a multiple of group_size={group_size}", int(nt[b]))
-    hb = length - t
+    func2d, width = onerank_rows(i, length, t, group_size)
+    return _finish(func2d, width, nfunc, nheads)
+
+
+def onerank_rows(
+    i: torch.Tensor, length: torch.Tensor, num_targets: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, int]:
+    """OneRank's func for chosen rows alone: ``(func2d (width, n) int32, width)`` from each row's local position
+    ``i (n,)``, its sequence's length ``(n,)`` and target count ``(n,)`` (int64, on one device). ``onerank`` is
+    this over every row; cached serving calls it for the new rows only, so no column is built for the history
+    (nor does anything depend on how many history rows there are). Unchecked: the caller's rows are valid."""
+    hb = length - num_targets
     hist = i < hb
     g = hb + torch.div((i - hb).clamp(min=0), group_size, rounding_mode="floor") * group_size
     zero = torch.zeros_like(i)
@@ -208,8 +219,6 @@ def onerank(
         torch.where(hist, zero, g),
         torch.where(hist, zero, g + 1),
     ]
-    width = 3
     if group_size > 1:
         rows += [torch.where(task, i, zero), torch.where(task, i + 1, zero)]
-        width = 5
-    return _finish(torch.stack(rows).to(torch.int32), width, nfunc, nheads)
+    return torch.stack(rows).to(torch.int32), len(rows)

@@ -223,16 +223,19 @@ class OneRankModel(nn.Module):
         cand_offsets: torch.Tensor,
         micro_batch: int | None = None,
         cuda_graphs: bool | None = None,
+        graph_pool: serving.GraphPool | None = None,
     ) -> torch.Tensor:
         """Scores ``(C, len(TASKS))`` of candidates ``cand_items (C,)`` (jagged by ``cand_offsets (B + 1,)``, one
         sequence per user) against the users' cached histories, ``micro_batch`` candidates per user at a time
         (None: all). Each micro-batch is one delta call per layer; groups never see each other, so the scores
         equal ``forward(..., max_seq_len=cache.max_seq_len)`` whatever the micro-batch size.
 
-        ``cuda_graphs``: replay a CUDA graph for micro-batches of a size already seen twice
-        (``serving.MicroBatchGraphs``: same kernels, same scores, a fraction of the host time); None: on CUDA
-        when the request has at least three micro-batches of at most ``serving.GRAPH_MAX_ROWS`` new rows (small,
-        host-bound micro-batches). True needs CUDA tensors."""
+        ``cuda_graphs``: replay CUDA graphs of the micro-batches (same kernels, same scores, a fraction of the
+        host time), kept from one request to the next in ``graph_pool`` (default ``serving.graph_pool(self)``):
+        a micro-batch size runs eagerly the first time, is captured the second, and replays from then on, for
+        any users and history lengths of the same buffer bucket (``serving.GraphPool``). None: on CUDA when
+        every micro-batch has at most ``serving.GRAPH_MAX_ROWS`` new rows (small, host-bound micro-batches).
+        True needs CUDA tensors."""
         _check_eval(self)
         if len(users) != cand_offsets.numel() - 1:
             raise bad_value("users", f"one user per candidate sequence ({cand_offsets.numel() - 1})", len(users))
@@ -256,16 +259,16 @@ class OneRankModel(nn.Module):
             widest = self.group_size * max((sum(mb.counts) for mb in batches), default=0)
             cuda_graphs = (
                 cand_items.is_cuda
-                and len(batches) >= 3
+                and bool(batches)
                 and widest <= serving.GRAPH_MAX_ROWS
                 and self._no_graph_reason(cand_items.device) is None
             )
         # Room after each history for a micro-batch's rows: the histories are laid out once per request.
         room = self.group_size * max((max(mb.counts) for mb in batches), default=0)
-        history = cache.gather(users, room=room)
         # Host ints: a history and one micro-batch's rows over the cache's bound, named here (the delta call
         # would name a max_seq_len the caller never gave).
-        for b, length in enumerate(history.lengths):
+        for b, user in enumerate(users):
+            length = cache.length(user)
             n = max((mb.counts[b] for mb in batches), default=0)
             if length + self.group_size * n > cache.max_seq_len:
                 fits = max((cache.max_seq_len - length) // self.group_size, 0)
@@ -276,16 +279,21 @@ class OneRankModel(nn.Module):
                     f"cache's max_seq_len {cache.max_seq_len})",
                     f"{micro_batch} ({n} at once)",
                 )
-        graphs = serving.MicroBatchGraphs(self, history, cache.max_seq_len) if cuda_graphs else None
+        if not cuda_graphs:
+            history = cache.gather(users, room=room)
+            run = lambda items, mb: self.score_micro_batch(history, items, mb.counts_tensor, cache.max_seq_len)
+            return self._score_batches(cand_items, batches, run)
+        pool = serving.graph_pool(self) if graph_pool is None else graph_pool
+        with pool.lock:  # the pool's buffers hold this request's histories until its last replay
+            graphs = pool.graphs(self, cache, users, room)
+            run = lambda items, mb: graphs(items, mb.counts_tensor, mb.counts)
+            return self._score_batches(cand_items, batches, run)
+
+    def _score_batches(self, cand_items: torch.Tensor, batches: list, run) -> torch.Tensor:
         scores = self.head.bias.new_zeros(cand_items.shape[0], len(TASKS))
         for mb in batches:
-            items = cand_items[mb.index]
-            out = (
-                graphs(items, mb.counts_tensor, mb.counts)
-                if graphs
-                else self.score_micro_batch(history, items, mb.counts_tensor, cache.max_seq_len)
-            )
-            scores = scores.index_copy(0, mb.index, out)
+            # A copy out of the micro-batch's scores: a replayed graph's output buffer is reused.
+            scores = scores.index_copy(0, mb.index, run(cand_items[mb.index], mb))
         return scores
 
     def _no_graph_reason(self, device: torch.device) -> str | None:
@@ -312,10 +320,14 @@ class OneRankModel(nn.Module):
         groups = torch.cat([cand[:, None], self.tokenizer.tasks.expand(cand.shape[0], g - 1, -1)], dim=1)
         new_offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)]) * g
         nt = counts * g
-        if self.task_tokens:
-            mask = lambda offs, total: {"attn_func": masks.onerank(offs, nt, g, total=total)}
+        if self.task_tokens:  # the new rows' columns alone (no column for the history, no host count of its rows)
+
+            def rows(layout: serving.DeltaLayout) -> dict:
+                return {"attn_func": masks.onerank_rows(*serving.new_row_coords(layout), g)[0][None]}
+
+            mask = serving.NewRowsMask(rows)
         else:
-            mask = lambda offs, total: {"num_targets": nt}
+            mask = serving.NewRowsMask(lambda layout: {"num_targets": nt})
         out, _, _ = serving.stack_delta(
             self.stack, groups.reshape(-1, cand.shape[1]), history, new_offsets, max_seq_len=max_seq_len, mask=mask
         )

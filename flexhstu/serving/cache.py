@@ -71,6 +71,10 @@ class HistoryCache:
     def __len__(self) -> int:
         return len(self._users)
 
+    def entry(self, user: Hashable) -> UserHistory:
+        """``user``'s cached history (the stored tensors: read them, do not write them)."""
+        return self._entry(user)
+
     def length(self, user: Hashable) -> int:
         """Cached history rows of ``user``."""
         return self._entry(user).length
@@ -101,16 +105,23 @@ class HistoryCache:
         """Each user's stack output at its last history row (None where the history is empty)."""
         return [self._entry(u).last for u in users]
 
-    def gather(self, users: Sequence[Hashable], room: int = 0) -> JaggedHistory:
+    def gather(self, users: Sequence[Hashable], room: int = 0, into: JaggedHistory | None = None) -> JaggedHistory:
         """The users' histories, jagged in the order given (one copy per layer), each followed by ``room``
-        spare rows (``JaggedHistory``: candidate scoring writes its micro-batches there)."""
+        spare rows (``JaggedHistory``: candidate scoring writes its micro-batches there).
+
+        ``into``: a kept history (``GraphPool``'s) whose buffers and offsets receive the histories instead of new
+        ones: its ``room`` and user count must be these, its buffers long enough; the rows past the last user's
+        room are left as they are. The result shares its tensors."""
         room = as_int("room", room, minimum=0)
         entries = [self._entry(u) for u in users]
         if not entries:
             raise bad_value("users", "at least one cached user", "an empty list")
         lengths = [e.length for e in entries]
         device = entries[0].k[0].device
-        offsets = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0).to(device)
+        host_offsets = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
+        if into is not None:
+            return self._gather_into(entries, lengths, host_offsets, room, into)
+        offsets = host_offsets.to(device)
 
         def laid_out(parts: list[torch.Tensor]) -> torch.Tensor:
             if not room:
@@ -121,6 +132,25 @@ class HistoryCache:
         k = [laid_out([e.k[layer] for e in entries]) for layer in range(self.num_layers)]
         v = [laid_out([e.v[layer] for e in entries]) for layer in range(self.num_layers)]
         return JaggedHistory(k, v, offsets, lengths, room)
+
+    def _gather_into(
+        self, entries: list[UserHistory], lengths: list[int], host_offsets: torch.Tensor, room: int, into: JaggedHistory
+    ) -> JaggedHistory:
+        need = sum(lengths) + room * len(lengths)
+        if into.room != room or into.offsets.shape[0] != len(lengths) + 1 or into.k[0].shape[0] < need:
+            raise bad_value(
+                "into",
+                f"a history of {len(lengths)} users with room {room} and at least {need} rows",
+                f"{into.offsets.shape[0] - 1} users, room {into.room}, {into.k[0].shape[0]} rows",
+            )
+        for layer in range(self.num_layers):
+            for bufs, name in ((into.k, "k"), (into.v, "v")):
+                start = 0
+                for e, n in zip(entries, lengths):
+                    bufs[layer][start : start + n].copy_(getattr(e, name)[layer])
+                    start += n + room
+        into.offsets.copy_(host_offsets)
+        return JaggedHistory(into.k, into.v, into.offsets, lengths, room)
 
     def _check_entry(self, entry: UserHistory, like: UserHistory | None) -> None:
         """Per layer ``k (L, H, Dqk)`` and ``v (L, H, Dv)`` of one length ``L``, shaped, typed and placed like

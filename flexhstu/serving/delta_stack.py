@@ -28,43 +28,70 @@ e.g. ``{"attn_func": masks.onerank(...)}`` or ``{"num_targets": nt}``; ``{}`` is
 
 
 class DeltaLayout(NamedTuple):
-    """Where the new rows go: ``kv_offsets (B + 1,)`` jag ``[history | new rows]`` per user; ``hist_rows``
-    ``(T_h,)`` and ``new_rows`` ``(T_n,)`` are their rows there; ``new_offsets (B + 1,)`` jag the new rows and
-    ``q_start (B,)`` (the history lengths) is the position of each user's first new row. With room (the
-    history's spare rows, ``JaggedHistory``), ``slot_offsets (B + 1,)`` jag the slots ``[history | room]``,
-    ``slot_rows (T_n,)`` are the new rows' places there and ``kv_lengths (B,)`` the rows in use."""
+    """Where the new rows go: ``kv_offsets (B + 1,)`` jag ``[history | new rows]`` per user (``total_kv`` rows);
+    ``new_rows (T_n,)`` are the new rows' places there and ``hist_rows (T_h,)`` the history's (None with room:
+    nothing reads them there); ``new_offsets (B + 1,)`` jag the new rows, ``new_seq (T_n,)`` is each new row's
+    user and ``q_start (B,)`` (the history lengths) the position of each user's first new row. With room (the
+    history's spare rows, ``JaggedHistory``), ``slot_offsets (B + 1,)`` jag the slots ``[history | room]`` (the
+    last slot runs to the buffer's end), ``slot_rows (T_n,)`` are the new rows' places there and ``kv_lengths
+    (B,)`` the rows in use."""
 
     kv_offsets: torch.Tensor
-    hist_rows: torch.Tensor
+    hist_rows: torch.Tensor | None
     new_rows: torch.Tensor
     new_offsets: torch.Tensor
+    new_seq: torch.Tensor
     q_start: torch.Tensor
+    total_kv: int
     slot_offsets: torch.Tensor | None = None
     slot_rows: torch.Tensor | None = None
     kv_lengths: torch.Tensor | None = None
 
-    @property
-    def total_kv(self) -> int:
-        return self.hist_rows.numel() + self.new_rows.numel()
+
+class NewRowsMask(NamedTuple):
+    """A mask given for the new rows alone: ``rows(layout) -> hstu_mha mask keywords``, its ``attn_func`` one
+    column per new row. Unlike a ``MaskFn`` it builds nothing for the history and reads no host count of its
+    rows, so a captured micro-batch (``GraphPool``) stays right for histories of any length."""
+
+    rows: Callable[[DeltaLayout], dict]
+
+
+def new_row_coords(layout: DeltaLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For each new row: its local position in its user's whole sequence, that sequence's length (history and
+    new rows) and the user's count of new rows; int64 ``(T_n,)`` each, sync-free."""
+    seq = layout.new_seq
+    new_len = layout.new_offsets.diff()
+    r = torch.arange(seq.numel(), device=seq.device) - layout.new_offsets[seq]
+    start = layout.q_start[seq]
+    return start + r, start + new_len[seq], new_len[seq]
 
 
 def delta_layout(
-    hist_offsets: torch.Tensor, new_offsets: torch.Tensor, total_hist: int, total_new: int, room: int = 0
+    hist_offsets: torch.Tensor,
+    new_offsets: torch.Tensor,
+    total_hist: int,
+    total_new: int,
+    room: int = 0,
+    rows: int | None = None,
 ) -> DeltaLayout:
-    """Sync-free: the totals come from the tensors' shapes."""
+    """Sync-free: the totals come from the tensors' shapes. With ``room``, ``rows`` is the history buffer's row
+    count (default: the histories and their room, ``total_hist + B room``); the last slot runs to it."""
     hist_offsets, new_offsets = hist_offsets.to(torch.int64), new_offsets.to(torch.int64)
     users = torch.arange(hist_offsets.numel() - 1, device=hist_offsets.device)
     hist_len, new_len = hist_offsets.diff(), new_offsets.diff()
     # Each row's user, from the offsets by search: in bounds whatever the offsets hold (repeat_interleave with
     # an output size writes past its output when the lengths do not add up to it).
-    seq_h = row_coords(hist_offsets, total_hist)[0]
     seq_n = row_coords(new_offsets, total_new)[0]
-    hist_rows = torch.arange(total_hist, device=users.device) + new_offsets[seq_h]
     new_rows = torch.arange(total_new, device=users.device) + hist_offsets[seq_n + 1]
-    layout = DeltaLayout(hist_offsets + new_offsets, hist_rows, new_rows, new_offsets, hist_len)
+    layout = DeltaLayout(
+        hist_offsets + new_offsets, None, new_rows, new_offsets, seq_n, hist_len, total_hist + total_new
+    )
     if not room:
-        return layout
+        seq_h = row_coords(hist_offsets, total_hist)[0]
+        return layout._replace(hist_rows=torch.arange(total_hist, device=users.device) + new_offsets[seq_h])
     slots = torch.arange(users.numel() + 1, device=users.device) * room + hist_offsets
+    if rows is not None:  # a fill with a host constant, no copy: a captured graph keeps it for any history
+        slots = slots.masked_fill(torch.arange(users.numel() + 1, device=users.device) == users.numel(), rows)
     slot_rows = new_rows - new_offsets[seq_n] + slots[seq_n] - hist_offsets[seq_n]
     return layout._replace(slot_offsets=slots, slot_rows=slot_rows, kv_lengths=hist_len + new_len)
 
@@ -122,7 +149,7 @@ def stack_delta(
     new_offsets: torch.Tensor,
     *,
     max_seq_len: int,
-    mask: MaskFn | None = None,
+    mask: MaskFn | NewRowsMask | None = None,
 ) -> tuple[torch.Tensor, list, list]:
     """The stack (final norm included) for new rows ``x (T_n, D)`` jagged by ``new_offsets (B + 1,)`` after the
     cached ``history``. Returns (outputs ``(T_n, D)``, per-layer new ``k``, per-layer new ``v``)."""
@@ -137,11 +164,16 @@ def stack_delta(
     _check_history(stack, history)
     if history.room:  # a row past a user's room would overwrite the next user's history
         _check_room(new_offsets, history.room)
-    total_hist = history.k[0].shape[0] - history.room * (history.offsets.shape[0] - 1)
-    layout = delta_layout(history.offsets, new_offsets, total_hist, x.shape[0], history.room)
-    mask_kwargs = {} if mask is None else dict(mask(layout.kv_offsets, layout.total_kv))
-    if "attn_func" in mask_kwargs:  # one column per query row: the new rows' columns of the whole func
-        mask_kwargs["attn_func"] = mask_kwargs["attn_func"][:, :, layout.new_rows]
+    rows = history.k[0].shape[0]
+    # The history rows: with room, the lengths' sum (a kept buffer, GraphPool's, may have rows to spare).
+    total_hist = sum(history.lengths) if history.room else rows
+    layout = delta_layout(history.offsets, new_offsets, total_hist, x.shape[0], history.room, rows)
+    if isinstance(mask, NewRowsMask):
+        mask_kwargs = dict(mask.rows(layout))
+    else:
+        mask_kwargs = {} if mask is None else dict(mask(layout.kv_offsets, layout.total_kv))
+        if "attn_func" in mask_kwargs:  # one column per query row: the new rows' columns of the whole func
+            mask_kwargs["attn_func"] = mask_kwargs["attn_func"][:, :, layout.new_rows]
     ks, vs = [], []
     for layer, hk, hv in zip(stack.layers, history.k, history.v):
         x, k, v = layer_delta(layer, x, hk, hv, layout, max_seq_len, mask_kwargs)

@@ -9,25 +9,33 @@ kernels on the same buffers (the request's history, laid out once with room for
 the new rows), so one captured graph serves them all: the first of a size runs
 eagerly (it compiles and warms up what it needs), the second is captured, the rest
 replay it with their candidates copied into the graph's inputs.
+
+``GraphPool`` keeps the graphs from one request to the next: each request's
+histories are copied into a kept buffer sized for a bucket of history rows, and
+every captured kernel reads the histories' lengths from the device, so requests
+of other users and other history lengths replay the same graphs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
 
 import torch
 from torch import nn
 
-from .._errors import bad_value
-from .cache import JaggedHistory
+from .._errors import as_int, bad_value
+from .cache import HistoryCache, JaggedHistory
 
-GRAPH_MAX_ROWS = 4096
+GRAPH_MAX_ROWS = 8192
 """``score_cached`` replays graphs by default for micro-batches of at most this many new rows (candidates times
-the group size, all users): below it a micro-batch is host-bound and the graph removes the host's time; above
-it the device is the bound, and the capture's own host time is no longer hidden behind device work. H200, 4
-layers of 512, history 16384, 2048 candidates in micro-batches of 256, a request with graphs against without:
-one user (1024 rows) 14.3 ms against 28.6; eight users (8192 rows) 35.8 ms against 29.4
-(``benchmarks/HISTORY.md``)."""
+the group size, all users). The graphs are kept across requests (``GraphPool``), so a capture's cost is paid once
+per size and buffer bucket. H100, 4 layers of 512, history 16384, 2048 candidates a user in micro-batches of 256,
+one request, graphs kept against eager (``benchmarks/RESULTS.md``): one user (1024 rows) 5.99 ms against 28.15;
+eight users (8192 rows) 28.31 ms against 30.12. Larger micro-batches are device-bound and were not measured."""
 
 
 class MicroBatchGraphs:
@@ -70,3 +78,95 @@ class MicroBatchGraphs:
         self._graphs[size] = (graph, items, static_counts, out)
         graph.replay()
         return out
+
+
+def capacity_bucket(rows: int) -> int:
+    """The kept buffer's rows for a request that needs ``rows``: the least of ``2^k``, ``1.25 2^k``, ``1.5 2^k``
+    and ``1.75 2^k`` (at least 1024) not below it, so a buffer holds at most a quarter more than it needs and
+    requests of nearby sizes share it (and its graphs)."""
+    rows = as_int("rows", rows, minimum=0)
+    power = 1024
+    while power * 2 <= rows:
+        power *= 2
+    return next(power * q // 4 for q in (4, 5, 6, 7, 8) if power * q // 4 >= rows)
+
+
+class GraphPool:
+    """Captured micro-batch graphs of a scoring model, kept across requests (``score_cached(..., cuda_graphs)``
+    takes ``serving.graph_pool(model)`` unless given one).
+
+    One entry per (the model's parameter storage, users per request, room, ``capacity_bucket`` of the history
+    rows, the cache's ``max_seq_len``): a history buffer of that many rows per layer, zeroed once, and its
+    ``MicroBatchGraphs``. A request copies its users' histories into the buffer (``HistoryCache.gather(...,
+    into=...)``) and replays. At most ``max_entries`` entries are kept, the least recently used dropped first:
+    each holds its buffers (rows x layers x the K and V of a row) and its graphs' memory. ``clear()`` frees them
+    all. Replacing the model's parameters (``model.to(...)``, a new module) moves them, so their graphs are never
+    found again; loading weights in place (``load_state_dict``) keeps them, and the graphs read the new values.
+    Requests through one pool take turns (``lock``): its buffers serve one request at a time."""
+
+    def __init__(self, max_entries: int = 2):
+        self.max_entries = as_int("max_entries", max_entries, minimum=1)
+        self.lock = threading.RLock()
+        self._entries: OrderedDict[Hashable, MicroBatchGraphs] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        """Drop every entry (their buffers and graphs are freed once no request holds them)."""
+        with self.lock:
+            self._entries.clear()
+
+    def graphs(self, model: nn.Module, cache: HistoryCache, users: Sequence[Hashable], room: int) -> MicroBatchGraphs:
+        """The users' histories laid out (each followed by ``room`` rows) in a kept buffer, and the graphs
+        captured against it: call it as ``MicroBatchGraphs`` (hold ``lock`` until the request's last replay)."""
+        if not users:
+            cache.gather(users)  # refuses by name
+        lengths = [cache.length(u) for u in users]
+        first = cache.entry(users[0])  # dims, dtype and device of the buffers
+        capacity = capacity_bucket(sum(lengths) + room * len(users))
+        key = (
+            _storage(model),
+            len(users),
+            room,
+            capacity,
+            cache.max_seq_len,
+            tuple((k.shape[1:], v.shape[1:], k.dtype, k.device) for k, v in zip(first.k, first.v)),
+        )
+        with self.lock:
+            entry = self._entries.pop(key, None)
+            if entry is None:
+                while len(self._entries) >= self.max_entries:
+                    self._entries.popitem(last=False)
+                kept = JaggedHistory(
+                    [k.new_zeros(capacity, *k.shape[1:]) for k in first.k],
+                    [v.new_zeros(capacity, *v.shape[1:]) for v in first.v],
+                    torch.zeros(len(users) + 1, dtype=torch.int64, device=first.k[0].device),
+                    [0] * len(users),
+                    room,
+                )
+                entry = MicroBatchGraphs(model, kept, cache.max_seq_len)
+            self._entries[key] = entry
+            entry.history = cache.gather(users, room=room, into=entry.history)
+            return entry
+
+
+def _storage(model: nn.Module) -> tuple:
+    """Where and how the model's parameters and buffers are stored: a captured graph reads those addresses."""
+    return tuple(
+        (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+        for t in itertools.chain(model.parameters(), model.buffers())
+    )
+
+
+_POOLS: weakref.WeakKeyDictionary[nn.Module, GraphPool] = weakref.WeakKeyDictionary()
+_POOLS_LOCK = threading.Lock()
+
+
+def graph_pool(model: nn.Module) -> GraphPool:
+    """The model's own ``GraphPool`` (made on first use, gone with the model)."""
+    with _POOLS_LOCK:
+        pool = _POOLS.get(model)
+        if pool is None:
+            pool = _POOLS[model] = GraphPool()
+        return pool

@@ -152,6 +152,36 @@ def test_cached_scoring_with_cuda_graphs_equals_eager_micro_batches():
     check("cached scoring vs full recompute", {"scores": rel(eager, full)}, tol=3e-2)
 
 
+def test_graphs_kept_across_requests_replay_for_other_users_and_history_lengths():
+    # One pool, three requests of other users and history lengths in one buffer bucket: the first captures, the
+    # others replay its graphs; each equals the eager micro-batches of its own request.
+    from flexhstu import serving
+    from flexhstu.models import OneRankModel
+    from flexhstu.serving import HistoryCache
+
+    torch.manual_seed(0)
+    model = OneRankModel(1000, dim=128, layers=2, heads=2, max_len=2048, dropout=0.0, kernel="triton")
+    model = model.to("cuda", torch.bfloat16).eval()
+    # Each pair's histories and room (2 x 4 x 32 rows) within (1280, 1536]: the 1536-row bucket.
+    lengths = {"a": 1000, "b": 200, "c": 640, "d": 600, "e": 0, "f": 1150}
+    hist = torch.randint(1, 1001, (sum(lengths.values()),), device="cuda")
+    times = torch.arange(hist.shape[0], device="cuda") * 60
+    cache = HistoryCache(2, max_seq_len=1300 + 4 * 96)
+    model.cache_histories(cache, list(lengths), hist, times, offsets(list(lengths.values())))
+    pool = serving.GraphPool()
+    errs = {}
+    for users in (["a", "b"], ["c", "d"], ["e", "f"], ["a", "b"]):
+        items = torch.randint(1, 1001, (2 * 96,), device="cuda")
+        coffs = offsets([96, 96])
+        eager = model.score_cached(cache, users, items, coffs, micro_batch=32, cuda_graphs=False)
+        graphed = model.score_cached(cache, users, items, coffs, micro_batch=32, cuda_graphs=True, graph_pool=pool)
+        errs["".join(users)] = rel(graphed, eager)
+    assert len(pool) == 1  # every request in the one bucket's buffer
+    entry = next(iter(pool._entries.values()))
+    assert list(entry._graphs) == [64]  # 2 x 32 candidates: captured once (in the first request), replayed since
+    check("kept graphs across requests vs eager", errs, tol=1e-3)
+
+
 @pytest.mark.parametrize(
     ("mask", "mode", "rel_bias", "plan"),
     [
