@@ -284,6 +284,8 @@ class OneRankModel(nn.Module):
             run = lambda items, mb: self.score_micro_batch(history, items, mb.counts_tensor, cache.max_seq_len)
             return self._score_batches(cand_items, batches, run)
         pool = serving.graph_pool(self) if graph_pool is None else graph_pool
+        # A bucketed room: requests of one micro-batch setting share a kept buffer (and its graphs).
+        room = serving.room_bucket(room // self.group_size, micro_batch, self.group_size)
         with pool.lock:  # the pool's buffers hold this request's histories until its last replay
             graphs = pool.graphs(self, cache, users, room)
             run = lambda items, mb: graphs(items, mb.counts_tensor, mb.counts)

@@ -12,7 +12,7 @@ from .delta_stack import (
     stack_delta,
 )
 from .export import MicroBatchScorer, ScorerInputs, compile_scorer, export_scorer
-from .graphs import GRAPH_MAX_ROWS, GraphPool, MicroBatchGraphs, capacity_bucket, graph_pool
+from .graphs import GRAPH_MAX_ROWS, GraphPool, MicroBatchGraphs, capacity_bucket, graph_pool, room_bucket
 from .scoring import MicroBatch, micro_batches
 
 __all__ = [
@@ -37,5 +37,6 @@ __all__ = [
     "micro_batches",
     "new_row_coords",
     "prefill",
+    "room_bucket",
     "stack_delta",
 ]

@@ -43,12 +43,19 @@ class MicroBatchGraphs:
     size; call it as ``graphs(cand_items (c,), counts (B,), host_counts)`` (``counts``: int64 on the device, the
     same as ``host_counts``). Scores are the graph's output buffer: copy them before the next call of the same
     size. Within a request two micro-batches of one total size have the same per-user counts (``micro_batches``
-    takes them in order), and the captured kernels read the counts from the device anyway."""
+    takes them in order), and the captured kernels read the counts from the device anyway.
 
-    def __init__(self, model: nn.Module, history: JaggedHistory, max_seq_len: int):
+    At most ``max_graphs`` sizes keep a graph (each holds its micro-batch's intermediate memory), the least
+    recently replayed dropped first: a request's full micro-batches replay every time, while the sizes of its
+    last, partial one vary from request to request."""
+
+    def __init__(self, model: nn.Module, history: JaggedHistory, max_seq_len: int, max_graphs: int = 4):
         self.model, self.history, self.max_seq_len = model, history, max_seq_len
+        self.max_graphs = as_int("max_graphs", max_graphs, minimum=1)
         self._seen: set[int] = set()
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._graphs: OrderedDict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = (
+            OrderedDict()
+        )
 
     def __call__(self, cand_items: torch.Tensor, counts: torch.Tensor, host_counts: Sequence[int]) -> torch.Tensor:
         """``host_counts``: ``counts`` as host ints, checked against the history's room here (a graph replay
@@ -63,6 +70,7 @@ class MicroBatchGraphs:
             )
         size = cand_items.shape[0]
         if size in self._graphs:
+            self._graphs.move_to_end(size)
             graph, items, static_counts, out = self._graphs[size]
             items.copy_(cand_items)
             static_counts.copy_(counts)
@@ -71,6 +79,8 @@ class MicroBatchGraphs:
         if size not in self._seen:  # eagerly: Triton compiles, cuBLAS picks its kernels, outside any capture
             self._seen.add(size)
             return self.model.score_micro_batch(self.history, cand_items, counts, self.max_seq_len)
+        while len(self._graphs) >= self.max_graphs:
+            self._graphs.popitem(last=False)
         items, static_counts = cand_items.clone(), counts.clone()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -80,15 +90,25 @@ class MicroBatchGraphs:
         return out
 
 
-def capacity_bucket(rows: int) -> int:
+def capacity_bucket(rows: int, least: int = 1024) -> int:
     """The kept buffer's rows for a request that needs ``rows``: the least of ``2^k``, ``1.25 2^k``, ``1.5 2^k``
-    and ``1.75 2^k`` (at least 1024) not below it, so a buffer holds at most a quarter more than it needs and
-    requests of nearby sizes share it (and its graphs)."""
+    and ``1.75 2^k`` (at least ``least``, a power of two) not below it, so a buffer holds at most a quarter more
+    than it needs and requests of nearby sizes share it (and its graphs)."""
     rows = as_int("rows", rows, minimum=0)
-    power = 1024
+    power = as_int("least", least, minimum=4)
     while power * 2 <= rows:
         power *= 2
     return next(power * q // 4 for q in (4, 5, 6, 7, 8) if power * q // 4 >= rows)
+
+
+def room_bucket(widest: int, micro_batch: int | None, group_size: int) -> int:
+    """Rows after each history in a kept buffer, for micro-batches of at most ``widest`` candidates a user: the
+    ``micro_batch`` size when one is given and reached (so every request of that setting shares one room), else
+    ``capacity_bucket(widest, 16)``, never less than ``widest``; times the rows per candidate."""
+    cands = capacity_bucket(widest, 16)
+    if micro_batch is not None:
+        cands = min(cands, micro_batch)
+    return group_size * max(cands, widest)
 
 
 class GraphPool:

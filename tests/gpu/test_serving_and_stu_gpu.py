@@ -179,6 +179,14 @@ def test_graphs_kept_across_requests_replay_for_other_users_and_history_lengths(
     assert len(pool) == 1  # every request in the one bucket's buffer
     entry = next(iter(pool._entries.values()))
     assert list(entry._graphs) == [64]  # 2 x 32 candidates: captured once (in the first request), replayed since
+    # Last micro-batches of five other sizes, each seen twice (so captured): at most max_graphs graphs are kept.
+    for extra in (1, 2, 3, 4, 5, 1, 2, 3, 4, 5):
+        items = torch.randint(1, 1001, (2 * (64 + extra),), device="cuda")
+        coffs = offsets([64 + extra] * 2)
+        eager = model.score_cached(cache, ["c", "d"], items, coffs, micro_batch=32, cuda_graphs=False)
+        graphed = model.score_cached(cache, ["c", "d"], items, coffs, micro_batch=32, cuda_graphs=True, graph_pool=pool)
+        errs[f"cd+{extra}"] = rel(graphed, eager)
+    assert len(pool) == 1 and len(entry._graphs) == entry.max_graphs and 64 in entry._graphs
     check("kept graphs across requests vs eager", errs, tol=1e-3)
 
 

@@ -57,6 +57,17 @@ def test_capacity_buckets_hold_what_is_asked_and_at_most_a_quarter_more():
     assert serving.capacity_bucket(17000) == serving.capacity_bucket(20000) == 20480  # nearby sizes share one
 
 
+def test_rooms_are_shared_by_the_requests_of_one_micro_batch_setting():
+    g = 4
+    # Micro-batches of 256: every request where a user has 256 candidates or more (or over 224) gets one room.
+    assert {serving.room_bucket(w, 256, g) for w in (256, 240, 225)} == {g * 256}
+    assert serving.room_bucket(200, 256, g) == g * 224 and serving.room_bucket(3, 256, g) == g * 16
+    for widest in (0, 1, 17, 100, 1000, 4097):  # all candidates at once: a bucket, never below the need
+        room = serving.room_bucket(widest, None, g)
+        assert g * widest <= room <= g * max(16, widest * 5 // 4)
+    assert serving.room_bucket(5, 2, g) == g * 5  # never below what the request needs
+
+
 @pytest.mark.parametrize("kernel", ["pytorch", "triton"])
 def test_histories_in_a_kept_buffer_score_as_a_fresh_gather_whatever_it_held(kernel, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
