@@ -82,9 +82,9 @@ def scoring_table(rows: list[ScoringRow]) -> str:
     recompute at the same micro-batch size (``-`` where there is none)."""
     full = {(r.hist, r.cands, r.layers, r.users, r.micro_batch): r.median_ms for r in rows if r.path == "full"}
     lines = [
-        "| history | cands/user | layers | users | path | micro-batch | median ms | p99 ms | cands/s "
+        "| history | cands/user | layers | users | path | micro-batch | median ms | p99 ms | host ms | cands/s "
         "| speed-up vs full | vs full, same micro-batch | rel diff | status |",
-        "|" + "---|" * 13,
+        "|" + "---|" * 14,
     ]
     for r in rows:
         key = (r.hist, r.cands, r.layers, r.users)
@@ -95,7 +95,7 @@ def scoring_table(rows: list[ScoringRow]) -> str:
         mb = ("-" if r.path == "full" else "all") if r.micro_batch is None else str(r.micro_batch)
         lines.append(
             f"| {r.hist} | {r.cands} | {r.layers} | {r.users} | {r.path} | {mb} | {fmt(r.median_ms, '.2f')} "
-            f"| {fmt(r.p99_ms, '.2f')} | {fmt(r.cands_per_s, ',.0f')} | {fmt(speed, '.2f')} "
+            f"| {fmt(r.p99_ms, '.2f')} | {fmt(r.host_ms, '.2f')} | {fmt(r.cands_per_s, ',.0f')} | {fmt(speed, '.2f')} "
             f"| {fmt(speed_same, '.2f')} | {fmt(r.rel_diff, '.1e')} | {r.status} |"
         )
     return "\n".join(lines)

@@ -41,6 +41,7 @@ class ScoringRow:
     median_ms: float | None = None
     p99_ms: float | None = None
     samples: int = 0
+    host_ms: float | None = None  # median time until the request returned to the host
     cands_per_s: float | None = None
     rel_diff: float | None = None  # cached: against the full recompute's scores
     status: str = "ok"
@@ -147,5 +148,5 @@ def _full_per_micro_batch(
 
 
 def _fill(row: ScoringRow, lat: Latency, *, cands: int) -> None:
-    row.median_ms, row.p99_ms, row.samples = lat
+    row.median_ms, row.p99_ms, row.samples, row.host_ms = lat
     row.cands_per_s = cands / (lat.median_ms / 1e3)

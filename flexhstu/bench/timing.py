@@ -49,21 +49,25 @@ class Latency(NamedTuple):
     median_ms: float
     p99_ms: float
     samples: int
+    host_ms: float | None = None  # the median time until the call returned to the host (the device may be busy)
 
 
 def latencies(call: Callable[[], object], device: torch.device, *, samples: int, warmup: int) -> tuple[object, Latency]:
     """``call``'s last output and its latency: ``warmup`` calls, then ``samples`` calls, each timed with CUDA
-    events from an idle device (CPU: wall time). p99 is the nearest rank."""
+    events from an idle device (CPU: wall time). p99 is the nearest rank. ``host_ms``: the median wall time until
+    the call returned (host work and the waits it made; where it is near ``median_ms`` the host is the bound)."""
     out = None
     for _ in range(warmup):
         out = call()
-    times = []
+    times, host = [], []
     for _ in range(samples):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize(device)
             start.record()
+            t0 = time.perf_counter()
             out = call()
+            host.append((time.perf_counter() - t0) * 1e3)
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
@@ -71,9 +75,10 @@ def latencies(call: Callable[[], object], device: torch.device, *, samples: int,
             t0 = time.perf_counter()
             out = call()
             times.append((time.perf_counter() - t0) * 1e3)
+            host.append(times[-1])
     ordered = sorted(times)
     p99 = ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
-    return out, Latency(statistics.median(ordered), p99, len(ordered))
+    return out, Latency(statistics.median(ordered), p99, len(ordered), statistics.median(host) if host else None)
 
 
 def fmt(x: float | None, spec: str) -> str:
