@@ -8,9 +8,10 @@ weights: ``--layers`` STU layers of width ``--dim`` and ``--heads`` heads.
 
 * ``cached``: the users' histories are cached once (``cache_histories``), outside the timed region; a sample
   is one ``score_cached`` call: the request's histories gathered, then one delta attention call per layer and
-  micro-batch of ``--micro-batch`` candidates per user (``all``: every candidate at once), micro-batches of one
-  size replayed from a CUDA graph when there are three or more (the default); ``cached, eager``: the same
-  without CUDA graphs (on CUDA, micro-batched rows only);
+  micro-batch of ``--micro-batch`` candidates per user (``all``: every candidate at once), micro-batches
+  replayed from CUDA graphs kept across requests where the default takes them (``serving.GRAPH_MAX_ROWS``);
+  ``cached, eager``: the same without CUDA graphs, ``cached, graphs``: with them forced, where the default does
+  not take them (on CUDA, micro-batched rows only);
 * ``full``: a sample is the model's forward over history and candidates, what serving without a cache runs
   (micro-batch ``-``: every candidate in one forward; ``m``: one forward per micro-batch of ``m`` candidates per
   user, each recomputing the histories: what a server that cannot hold a request's candidates at once pays).

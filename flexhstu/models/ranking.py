@@ -230,12 +230,12 @@ class OneRankModel(nn.Module):
         (None: all). Each micro-batch is one delta call per layer; groups never see each other, so the scores
         equal ``forward(..., max_seq_len=cache.max_seq_len)`` whatever the micro-batch size.
 
-        ``cuda_graphs``: replay CUDA graphs of the micro-batches (same kernels, same scores, a fraction of the
-        host time), kept from one request to the next in ``graph_pool`` (default ``serving.graph_pool(self)``):
-        a micro-batch size runs eagerly the first time, is captured the second, and replays from then on, for
-        any users and history lengths of the same buffer bucket (``serving.GraphPool``). None: on CUDA when
-        every micro-batch has at most ``serving.GRAPH_MAX_ROWS`` new rows (small, host-bound micro-batches).
-        True needs CUDA tensors."""
+        ``cuda_graphs``: replay CUDA graphs of the micro-batches (the same scores to rounding, a fraction of the
+        host time), kept from one request to the next in ``graph_pool`` (default ``serving.graph_pool(self)``).
+        Every micro-batch is padded to one shape (``serving.padded_width`` candidates a user), which runs eagerly
+        the first time, is captured the second, and replays from then on, for any users and history lengths of
+        the same buffer bucket (``serving.GraphPool``). None: on CUDA when a padded micro-batch has at most
+        ``serving.GRAPH_MAX_ROWS`` new rows (small, host-bound micro-batches). True needs CUDA tensors."""
         _check_eval(self)
         if len(users) != cand_offsets.numel() - 1:
             raise bad_value("users", f"one user per candidate sequence ({cand_offsets.numel() - 1})", len(users))
@@ -255,20 +255,13 @@ class OneRankModel(nn.Module):
                     "kernels: the PyTorch reference reads sizes on the host)",
                     f"True, but {reason}",
                 )
-        if cuda_graphs is None:
-            widest = self.group_size * max((sum(mb.counts) for mb in batches), default=0)
-            cuda_graphs = (
-                cand_items.is_cuda
-                and bool(batches)
-                and widest <= serving.GRAPH_MAX_ROWS
-                and self._no_graph_reason(cand_items.device) is None
-            )
         # Room after each history for a micro-batch's rows: the histories are laid out once per request.
-        room = self.group_size * max((max(mb.counts) for mb in batches), default=0)
+        widest = max((max(mb.counts) for mb in batches), default=0)
+        room = self.group_size * widest
         # Host ints: a history and one micro-batch's rows over the cache's bound, named here (the delta call
         # would name a max_seq_len the caller never gave).
-        for b, user in enumerate(users):
-            length = cache.length(user)
+        lengths = [cache.length(user) for user in users]
+        for b, length in enumerate(lengths):
             n = max((mb.counts[b] for mb in batches), default=0)
             if length + self.group_size * n > cache.max_seq_len:
                 fits = max((cache.max_seq_len - length) // self.group_size, 0)
@@ -279,17 +272,28 @@ class OneRankModel(nn.Module):
                     f"cache's max_seq_len {cache.max_seq_len})",
                     f"{micro_batch} ({n} at once)",
                 )
+        # Through the pool every micro-batch is padded to `width` candidates a user: one shape, one graph.
+        width = serving.padded_width(widest, micro_batch, lengths, self.group_size, cache.max_seq_len)
+        if cuda_graphs is None:
+            cuda_graphs = (
+                cand_items.is_cuda
+                and bool(batches)
+                and self.group_size * width * len(users) <= serving.GRAPH_MAX_ROWS
+                and self._no_graph_reason(cand_items.device) is None
+            )
         if not cuda_graphs:
             history = cache.gather(users, room=room)
             run = lambda items, mb: self.score_micro_batch(history, items, mb.counts_tensor, cache.max_seq_len)
             return self._score_batches(cand_items, batches, run)
         pool = serving.graph_pool(self) if graph_pool is None else graph_pool
-        # A bucketed room: requests of one micro-batch setting share a kept buffer (and its graphs).
-        room = serving.room_bucket(room // self.group_size, micro_batch, self.group_size)
-        with pool.lock:  # the pool's buffers hold this request's histories until its last replay
-            graphs = pool.graphs(self, cache, users, room)
-            run = lambda items, mb: graphs(items, mb.counts_tensor, mb.counts)
-            return self._score_batches(cand_items, batches, run)
+        return self._score_through_pool(pool, cache, users, cand_items, batches, width)
+
+    def _score_through_pool(self, pool, cache, users, cand_items, batches, width: int) -> torch.Tensor:
+        """``score_cached``'s graph path: every micro-batch padded to ``width`` candidates a user, replayed."""
+        positions = serving.padded_positions([mb.counts for mb in batches], width, cand_items.device)
+        at = dict(zip(map(id, batches), positions))
+        with pool.request(self, cache, users, width) as padded:
+            return self._score_batches(cand_items, batches, lambda items, mb: padded(items, at[id(mb)], mb.counts))
 
     def _score_batches(self, cand_items: torch.Tensor, batches: list, run) -> torch.Tensor:
         scores = self.head.bias.new_zeros(cand_items.shape[0], len(TASKS))

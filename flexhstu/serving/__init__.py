@@ -12,7 +12,15 @@ from .delta_stack import (
     stack_delta,
 )
 from .export import MicroBatchScorer, ScorerInputs, compile_scorer, export_scorer
-from .graphs import GRAPH_MAX_ROWS, GraphPool, MicroBatchGraphs, capacity_bucket, graph_pool, room_bucket
+from .graphs import (
+    GRAPH_MAX_ROWS,
+    GraphPool,
+    MicroBatchGraphs,
+    capacity_bucket,
+    graph_pool,
+    padded_positions,
+    padded_width,
+)
 from .scoring import MicroBatch, micro_batches
 
 __all__ = [
@@ -36,7 +44,8 @@ __all__ = [
     "layer_delta",
     "micro_batches",
     "new_row_coords",
+    "padded_positions",
+    "padded_width",
     "prefill",
-    "room_bucket",
     "stack_delta",
 ]

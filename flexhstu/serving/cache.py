@@ -43,7 +43,8 @@ class JaggedHistory:
     int64 on the data's device; ``lengths`` the same as host ints (the request plan reads them).
 
     With ``room > 0`` every history is followed by ``room`` spare rows in ``k`` and ``v`` (``(T_h + B room, H,
-    D)``): user ``b``'s history starts at row ``offsets[b] + b room``. The delta stack writes each micro-batch's
+    D)``, or more rows for a kept buffer, ``GraphPool``'s, whose last rows are unused): user ``b``'s history
+    starts at row ``offsets[b] + b room``. The delta stack writes each micro-batch's
     new rows there, so no call copies the histories again (``stack_delta``)."""
 
     k: list[torch.Tensor]
@@ -143,6 +144,12 @@ class HistoryCache:
                 f"a history of {len(lengths)} users with room {room} and at least {need} rows",
                 f"{into.offsets.shape[0] - 1} users, room {into.room}, {into.k[0].shape[0]} rows",
             )
+        ref = entries[0]
+        for name in ("k", "v"):  # copy_ would cast a dtype silently
+            want = [(t.shape[1:], t.dtype, t.device) for t in getattr(ref, name)]
+            got = [(t.shape[1:], t.dtype, t.device) for t in getattr(into, name)]
+            if want != got:
+                raise bad_value(f"into.{name}", f"per layer (rows, heads, dim), dtype and device {want}", got)
         for layer in range(self.num_layers):
             for bufs, name in ((into.k, "k"), (into.v, "v")):
                 start = 0

@@ -74,7 +74,7 @@ def delta_layout(
     room: int = 0,
     rows: int | None = None,
 ) -> DeltaLayout:
-    """Sync-free: the totals come from the tensors' shapes. With ``room``, ``rows`` is the history buffer's row
+    """Sync-free: the totals are host ints from the caller. With ``room``, ``rows`` is the history buffer's row
     count (default: the histories and their room, ``total_hist + B room``); the last slot runs to it."""
     hist_offsets, new_offsets = hist_offsets.to(torch.int64), new_offsets.to(torch.int64)
     users = torch.arange(hist_offsets.numel() - 1, device=hist_offsets.device)

@@ -1,4 +1,4 @@
-"""CUDA-graph replays of the candidate micro-batches of one request.
+"""CUDA-graph replays of the candidate micro-batches of a request, kept across requests.
 
 A micro-batch is about forty small kernels per STU layer (norms, projections, the
 delta attention, index copies): launched from Python, a request of many
@@ -11,9 +11,13 @@ eagerly (it compiles and warms up what it needs), the second is captured, the re
 replay it with their candidates copied into the graph's inputs.
 
 ``GraphPool`` keeps the graphs from one request to the next: each request's
-histories are copied into a kept buffer sized for a bucket of history rows, and
-every captured kernel reads the histories' lengths from the device, so requests
-of other users and other history lengths replay the same graphs.
+histories are copied into a kept buffer sized for a bucket of history rows, every
+micro-batch is padded to one shape (candidates a user), and every captured kernel
+reads the histories' lengths and the candidates' counts from the device, so
+requests of other users, history lengths and counts replay the same graph. The
+scores equal the eager path's to rounding: the kept buffer's size can change how
+the delta kernel splits its key blocks (float32 partial sums, added in another
+order).
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ import itertools
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -32,10 +37,11 @@ from .cache import HistoryCache, JaggedHistory
 
 GRAPH_MAX_ROWS = 8192
 """``score_cached`` replays graphs by default for micro-batches of at most this many new rows (candidates times
-the group size, all users). The graphs are kept across requests (``GraphPool``), so a capture's cost is paid once
-per size and buffer bucket. H100, 4 layers of 512, history 16384, 2048 candidates a user in micro-batches of 256,
-one request, graphs kept against eager (``benchmarks/RESULTS.md``): one user (1024 rows) 5.99 ms against 28.15;
-eight users (8192 rows) 28.31 ms against 30.12. Larger micro-batches are device-bound and were not measured."""
+the group size, all users, after padding). The graphs are kept across requests (``GraphPool``), so a capture's
+cost is paid once per micro-batch shape and buffer bucket. H100, 4 layers of 512, history 16384, 2048 candidates
+a user in micro-batches of 256, one request, graphs kept against eager (``benchmarks/RESULTS.md``): one user
+(1024 rows) 5.99 ms against 28.15; eight users (8192 rows) 28.31 ms against 30.12. Larger micro-batches are
+device-bound and were not measured."""
 
 
 class MicroBatchGraphs:
@@ -77,10 +83,11 @@ class MicroBatchGraphs:
             graph.replay()
             return out
         if size not in self._seen:  # eagerly: Triton compiles, cuBLAS picks its kernels, outside any capture
-            self._seen.add(size)
-            return self.model.score_micro_batch(self.history, cand_items, counts, self.max_seq_len)
+            out = self.model.score_micro_batch(self.history, cand_items, counts, self.max_seq_len)
+            self._seen.add(size)  # after a run that succeeded (an out-of-memory error warms nothing up)
+            return out
         while len(self._graphs) >= self.max_graphs:
-            self._graphs.popitem(last=False)
+            self._seen.discard(self._graphs.popitem(last=False)[0])  # run eagerly again before a new capture
         items, static_counts = cand_items.clone(), counts.clone()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -101,45 +108,109 @@ def capacity_bucket(rows: int, least: int = 1024) -> int:
     return next(power * q // 4 for q in (4, 5, 6, 7, 8) if power * q // 4 >= rows)
 
 
-def room_bucket(widest: int, micro_batch: int | None, group_size: int) -> int:
-    """Rows after each history in a kept buffer, for micro-batches of at most ``widest`` candidates a user: the
-    ``micro_batch`` size when one is given and reached (so every request of that setting shares one room), else
-    ``capacity_bucket(widest, 16)``, never less than ``widest``; times the rows per candidate."""
-    cands = capacity_bucket(widest, 16)
+def padded_width(
+    widest: int, micro_batch: int | None, lengths: Sequence[int], group_size: int, max_seq_len: int
+) -> int:
+    """Candidates per user in every micro-batch of a request through a ``GraphPool`` (each user's are padded to
+    it): the ``micro_batch`` size when some user reaches it, else ``capacity_bucket(widest, 16)``, so that the
+    requests of one setting share one graph; ``widest`` (no padding) where a history and the padded rows would
+    pass ``max_seq_len``. ``widest``: the most candidates of one user in one micro-batch."""
+    width = capacity_bucket(widest, 16)
     if micro_batch is not None:
-        cands = min(cands, micro_batch)
-    return group_size * max(cands, widest)
+        width = min(width, micro_batch)
+    width = max(width, widest)
+    if any(n + group_size * width > max_seq_len for n in lengths):
+        return widest
+    return width
+
+
+class _Entry:
+    """A kept history buffer, its graphs, and the event that marks the end of the last request that used them."""
+
+    def __init__(self, graphs: MicroBatchGraphs):
+        self.graphs = graphs
+        device = graphs.history.offsets.device
+        self.done = torch.cuda.Event() if device.type == "cuda" else None
+        self.used = False
+
+    def settle(self) -> None:
+        """Wait (on the host) until the device is done with the buffers: before they are freed."""
+        if self.done is not None and self.used:
+            self.done.synchronize()
 
 
 class GraphPool:
     """Captured micro-batch graphs of a scoring model, kept across requests (``score_cached(..., cuda_graphs)``
     takes ``serving.graph_pool(model)`` unless given one).
 
-    One entry per (the model's parameter storage, users per request, room, ``capacity_bucket`` of the history
-    rows, the cache's ``max_seq_len``): a history buffer of that many rows per layer, zeroed once, and its
-    ``MicroBatchGraphs``. A request copies its users' histories into the buffer (``HistoryCache.gather(...,
-    into=...)``) and replays. At most ``max_entries`` entries are kept, the least recently used dropped first:
-    each holds its buffers (rows x layers x the K and V of a row) and its graphs' memory. ``clear()`` frees them
-    all. Replacing the model's parameters (``model.to(...)``, a new module) moves them, so their graphs are never
-    found again; loading weights in place (``load_state_dict``) keeps them, and the graphs read the new values.
-    Requests through one pool take turns (``lock``): its buffers serve one request at a time."""
+    Every micro-batch of a request through the pool has the same shape: each user's candidates are padded to
+    ``padded_width`` (copies of the request's first candidate, whose scores are dropped: candidate groups never
+    see each other, so the real candidates' scores do not change), and one graph per shape is captured once
+    and replayed by every later request of that shape, whatever its users and history lengths.
+
+    One entry per (the model's parameter storage, inference mode, users per request, width, ``capacity_bucket``
+    of the history rows with their room, the cache's ``max_seq_len``, the K and V shapes): a history buffer of
+    that many rows per layer, zeroed once, and its ``MicroBatchGraphs``. A request copies its users'
+    histories into the buffer (``HistoryCache.gather(..., into=...)``) and replays. At most ``max_entries``
+    entries are kept, the least recently used dropped first: each holds its buffers (rows x layers x the K and V
+    of a row: 8 users of 16384 rows, 4 layers of 4 heads of 128, bf16: 1.25 GiB) and its graphs' memory;
+    ``clear()`` drops them all (the memory returns to torch's caching allocator). New parameter tensors
+    (``model.to(...)``) are never replayed against; weights loaded in place (``load_state_dict``) are read by
+    the graphs. Requests through one pool take turns (``lock``), and a request's device work waits for the
+    previous one's on its own stream (an event per entry), so requests may come from several threads and
+    streams."""
 
     def __init__(self, max_entries: int = 2):
         self.max_entries = as_int("max_entries", max_entries, minimum=1)
         self.lock = threading.RLock()
-        self._entries: OrderedDict[Hashable, MicroBatchGraphs] = OrderedDict()
+        self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def clear(self) -> None:
-        """Drop every entry (their buffers and graphs are freed once no request holds them)."""
+        """Drop every entry, once the device is done with it."""
         with self.lock:
-            self._entries.clear()
+            while self._entries:
+                self._entries.popitem(last=False)[1].settle()
 
-    def graphs(self, model: nn.Module, cache: HistoryCache, users: Sequence[Hashable], room: int) -> MicroBatchGraphs:
-        """The users' histories laid out (each followed by ``room`` rows) in a kept buffer, and the graphs
-        captured against it: call it as ``MicroBatchGraphs`` (hold ``lock`` until the request's last replay)."""
+    @contextmanager
+    def request(
+        self, model: nn.Module, cache: HistoryCache, users: Sequence[Hashable], width: int
+    ) -> Iterator[Callable[[torch.Tensor, torch.Tensor, Sequence[int]], torch.Tensor]]:
+        """Within the block, ``run(items (c,), positions (c,), counts)`` scores one micro-batch of the request:
+        ``counts[b] <= width`` candidates of user ``b``, user by user, ``positions`` their rows in the padded
+        micro-batch (``padded_positions``). The users' histories are laid out in the entry's buffer, each
+        followed by room for ``width`` candidates; the pool is held until the block ends."""
+        g = model.group_size
+        with self.lock:
+            entry = self._entry(model, cache, users, width * g)
+            if entry.done is not None and entry.used:  # the last request's reads of the buffers come first
+                torch.cuda.current_stream(entry.done.device).wait_event(entry.done)
+            graphs = entry.graphs
+            graphs.history = cache.gather(users, room=width * g, into=graphs.history)
+            shape = [width] * len(users)
+            counts = torch.tensor(shape, dtype=torch.int64).to(graphs.history.offsets.device)
+
+            def run(items: torch.Tensor, positions: torch.Tensor, host_counts: Sequence[int]) -> torch.Tensor:
+                if max(host_counts, default=0) > width:
+                    raise bad_value("counts", f"at most width={width} candidates a user", list(host_counts))
+                padded = (
+                    items[:1].expand(len(shape) * width).clone()
+                    if items.numel()
+                    else items.new_ones(len(shape) * width)
+                )
+                padded[positions] = items
+                return graphs(padded, counts, shape)[positions]
+
+            try:
+                yield run
+            finally:
+                if entry.done is not None:
+                    entry.done.record()
+                    entry.used = True
+
+    def _entry(self, model: nn.Module, cache: HistoryCache, users: Sequence[Hashable], room: int) -> _Entry:
         if not users:
             cache.gather(users)  # refuses by name
         lengths = [cache.length(u) for u in users]
@@ -147,28 +218,36 @@ class GraphPool:
         capacity = capacity_bucket(sum(lengths) + room * len(users))
         key = (
             _storage(model),
+            torch.is_inference_mode_enabled(),  # inference tensors take no in-place update outside the mode
             len(users),
             room,
             capacity,
             cache.max_seq_len,
             tuple((k.shape[1:], v.shape[1:], k.dtype, k.device) for k, v in zip(first.k, first.v)),
         )
-        with self.lock:
-            entry = self._entries.pop(key, None)
-            if entry is None:
-                while len(self._entries) >= self.max_entries:
-                    self._entries.popitem(last=False)
-                kept = JaggedHistory(
-                    [k.new_zeros(capacity, *k.shape[1:]) for k in first.k],
-                    [v.new_zeros(capacity, *v.shape[1:]) for v in first.v],
-                    torch.zeros(len(users) + 1, dtype=torch.int64, device=first.k[0].device),
-                    [0] * len(users),
-                    room,
-                )
-                entry = MicroBatchGraphs(model, kept, cache.max_seq_len)
-            self._entries[key] = entry
-            entry.history = cache.gather(users, room=room, into=entry.history)
-            return entry
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            while len(self._entries) >= self.max_entries:
+                self._entries.popitem(last=False)[1].settle()
+            kept = JaggedHistory(
+                [k.new_zeros(capacity, *k.shape[1:]) for k in first.k],
+                [v.new_zeros(capacity, *v.shape[1:]) for v in first.v],
+                torch.zeros(len(users) + 1, dtype=torch.int64, device=first.k[0].device),
+                [0] * len(users),
+                room,
+            )
+            # A weak reference: the pool of serving.graph_pool(model) must not keep its model alive.
+            entry = _Entry(MicroBatchGraphs(weakref.proxy(model), kept, cache.max_seq_len))
+        self._entries[key] = entry
+        return entry
+
+
+def padded_positions(counts: Sequence[Sequence[int]], width: int, device: torch.device) -> list[torch.Tensor]:
+    """Per micro-batch (``counts[j][b]`` candidates of user ``b``), the rows of its candidates in the padded
+    micro-batch of ``width`` rows a user (user ``b``'s at ``b width ..``), all moved to ``device`` in one copy."""
+    pieces = [[b * width + i for b, n in enumerate(mb) for i in range(n)] for mb in counts]
+    flat = torch.tensor([i for piece in pieces for i in piece], dtype=torch.int64).to(device)
+    return list(flat.split([len(piece) for piece in pieces]))
 
 
 def _storage(model: nn.Module) -> tuple:
@@ -184,7 +263,8 @@ _POOLS_LOCK = threading.Lock()
 
 
 def graph_pool(model: nn.Module) -> GraphPool:
-    """The model's own ``GraphPool`` (made on first use, gone with the model)."""
+    """The model's own ``GraphPool`` (made on first use; it goes with the model: its entries hold the model
+    weakly)."""
     with _POOLS_LOCK:
         pool = _POOLS.get(model)
         if pool is None:

@@ -153,8 +153,8 @@ def test_cached_scoring_with_cuda_graphs_equals_eager_micro_batches():
 
 
 def test_graphs_kept_across_requests_replay_for_other_users_and_history_lengths():
-    # One pool, three requests of other users and history lengths in one buffer bucket: the first captures, the
-    # others replay its graphs; each equals the eager micro-batches of its own request.
+    # One pool, requests of other users, history lengths and per-user counts in one buffer bucket: the padded
+    # micro-batch shape is captured once and replayed since; each request equals its eager micro-batches.
     from flexhstu import serving
     from flexhstu.models import OneRankModel
     from flexhstu.serving import HistoryCache
@@ -170,23 +170,19 @@ def test_graphs_kept_across_requests_replay_for_other_users_and_history_lengths(
     model.cache_histories(cache, list(lengths), hist, times, offsets(list(lengths.values())))
     pool = serving.GraphPool()
     errs = {}
-    for users in (["a", "b"], ["c", "d"], ["e", "f"], ["a", "b"]):
-        items = torch.randint(1, 1001, (2 * 96,), device="cuda")
-        coffs = offsets([96, 96])
+    requests = [(["a", "b"], [96, 96]), (["c", "d"], [96, 96]), (["e", "f"], [96, 96]), (["a", "b"], [96, 96])]
+    # One total (64) per micro-batch from other per-user counts ([32, 32], [32, 16] + [16, 32], ...), and last
+    # micro-batches of other sizes: all padded to 32 candidates a user.
+    requests += [(["c", "d"], [80, 48]), (["b", "a"], [48, 80]), (["f", "e"], [33, 7]), (["d", "c"], [1, 95])]
+    for users, counts in requests:
+        items = torch.randint(1, 1001, (sum(counts),), device="cuda")
+        coffs = offsets(counts)
         eager = model.score_cached(cache, users, items, coffs, micro_batch=32, cuda_graphs=False)
         graphed = model.score_cached(cache, users, items, coffs, micro_batch=32, cuda_graphs=True, graph_pool=pool)
-        errs["".join(users)] = rel(graphed, eager)
+        errs["".join(users) + str(counts)] = rel(graphed, eager)
     assert len(pool) == 1  # every request in the one bucket's buffer
     entry = next(iter(pool._entries.values()))
-    assert list(entry._graphs) == [64]  # 2 x 32 candidates: captured once (in the first request), replayed since
-    # Last micro-batches of five other sizes, each seen twice (so captured): at most max_graphs graphs are kept.
-    for extra in (1, 2, 3, 4, 5, 1, 2, 3, 4, 5):
-        items = torch.randint(1, 1001, (2 * (64 + extra),), device="cuda")
-        coffs = offsets([64 + extra] * 2)
-        eager = model.score_cached(cache, ["c", "d"], items, coffs, micro_batch=32, cuda_graphs=False)
-        graphed = model.score_cached(cache, ["c", "d"], items, coffs, micro_batch=32, cuda_graphs=True, graph_pool=pool)
-        errs[f"cd+{extra}"] = rel(graphed, eager)
-    assert len(pool) == 1 and len(entry._graphs) == entry.max_graphs and 64 in entry._graphs
+    assert list(entry.graphs._graphs) == [64]  # 2 x 32 candidates: captured once (in the first request)
     check("kept graphs across requests vs eager", errs, tol=1e-3)
 
 

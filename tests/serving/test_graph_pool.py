@@ -57,15 +57,15 @@ def test_capacity_buckets_hold_what_is_asked_and_at_most_a_quarter_more():
     assert serving.capacity_bucket(17000) == serving.capacity_bucket(20000) == 20480  # nearby sizes share one
 
 
-def test_rooms_are_shared_by_the_requests_of_one_micro_batch_setting():
-    g = 4
-    # Micro-batches of 256: every request where a user has 256 candidates or more (or over 224) gets one room.
-    assert {serving.room_bucket(w, 256, g) for w in (256, 240, 225)} == {g * 256}
-    assert serving.room_bucket(200, 256, g) == g * 224 and serving.room_bucket(3, 256, g) == g * 16
+def test_padded_widths_are_shared_by_the_requests_of_one_micro_batch_setting():
+    g, fits = 4, [100, 3000]
+    # Micro-batches of 256: every request where a user has over 224 candidates in a micro-batch gets one width.
+    assert {serving.padded_width(w, 256, fits, g, 4096) for w in (256, 240, 225)} == {256}
+    assert serving.padded_width(200, 256, fits, g, 4096) == 224 and serving.padded_width(3, 256, fits, g, 4096) == 16
     for widest in (0, 1, 17, 100, 1000, 4097):  # all candidates at once: a bucket, never below the need
-        room = serving.room_bucket(widest, None, g)
-        assert g * widest <= room <= g * max(16, widest * 5 // 4)
-    assert serving.room_bucket(5, 2, g) == g * 5  # never below what the request needs
+        assert widest <= serving.padded_width(widest, None, [0], g, 10**6) <= max(16, widest * 5 // 4)
+    # Where padding would take a history and its rows past max_seq_len: no padding.
+    assert serving.padded_width(200, 256, [3000, 3100], g, 3100 + 4 * 200) == 200
 
 
 @pytest.mark.parametrize("kernel", ["pytorch", "triton"])
@@ -75,15 +75,17 @@ def test_histories_in_a_kept_buffer_score_as_a_fresh_gather_whatever_it_held(ker
     room = 3 * model.group_size
     kept = cache.gather(["c", "e", "a"], room=room)  # a buffer with rows to spare for the next request
     grown = serving.JaggedHistory(
-        [torch.cat([k, torch.full_like(k[:50], 7.0)]) for k in kept.k],
-        [torch.cat([v, torch.full_like(v[:50], -3.0)]) for v in kept.v],
+        [torch.cat([k, torch.full_like(k[:50], float("nan"))]) for k in kept.k],
+        [torch.cat([v, torch.full_like(v[:50], float("inf"))]) for v in kept.v],
         kept.offsets.clone(),
         kept.lengths,
         room,
     )
     items = torch.randint(1, 51, (6,))
     counts = torch.tensor([2, 3, 1])
-    for users in (["c", "e", "a"], ["d", "b", "a"]):  # the second leaves the first's rows behind in the buffer
+    # NaN and Inf in the rows past the histories, and the second request's rows past its histories hold the
+    # first's: none of it may reach a score.
+    for users in (["c", "e", "a"], ["d", "b", "a"]):
         into = cache.gather(users, room=room, into=grown)
         assert into.k[0] is grown.k[0] and into.lengths == [LENGTHS[u] for u in users]
         fresh = cache.gather(users, room=room)
@@ -101,17 +103,34 @@ def test_a_kept_buffer_too_small_or_of_another_shape_is_refused_by_name():
         cache.gather(["a", "d", "b"], room=4, into=small)
 
 
+def eager_graphs(monkeypatch):
+    """MicroBatchGraphs replays as eager calls (the CPU has no CUDA graphs; the GPU suite replays real ones)."""
+
+    def call(self, items, counts, host_counts):
+        return self.model.score_micro_batch(self.history, items, counts, self.max_seq_len)
+
+    monkeypatch.setattr(serving.MicroBatchGraphs, "__call__", call)
+
+
+def request(pool, model, cache, users, width):
+    with pool.request(model, cache, users, width):
+        pass
+    return next(reversed(pool._entries.values()))
+
+
 def test_the_pool_keeps_one_buffer_per_bucket_and_drops_the_least_recently_used():
     model, cache = cached()
     pool = serving.GraphPool(max_entries=2)
-    first = pool.graphs(model, cache, ["c", "e"], 4)
-    assert pool.graphs(model, cache, ["a", "d"], 4) is first  # other users, the same bucket: the same buffer
-    assert first.history.k[0].shape[0] == 1024 and first.history.lengths == [5, 3]
-    other_room = pool.graphs(model, cache, ["a", "d"], 8)
-    three = pool.graphs(model, cache, ["a", "d", "c"], 4)
-    assert len(pool) == 2 and other_room is not first and three is not first
-    assert pool.graphs(model, cache, ["c", "e"], 4) is not first  # dropped: the least recently used
-    moved = pool.graphs(model.float(), cache, ["a", "d", "c"], 4)  # new parameter storage: never the old graphs
+    first = request(pool, model, cache, ["c", "e"], 1)
+    assert request(pool, model, cache, ["a", "d"], 1) is first  # other users, the same bucket: the same buffer
+    assert first.graphs.history.k[0].shape[0] == 1024 and first.graphs.history.lengths == [5, 3]
+    wider = request(pool, model, cache, ["a", "d"], 2)
+    three = request(pool, model, cache, ["a", "d", "c"], 1)
+    assert len(pool) == 2 and wider is not first and three is not first
+    assert request(pool, model, cache, ["c", "e"], 1) is not first  # dropped: the least recently used
+    with torch.inference_mode():  # inference tensors take no in-place update outside the mode: their own entry
+        assert request(pool, model, cache, ["c", "e"], 1) is not first
+    moved = request(pool, model.float(), cache, ["a", "d", "c"], 1)  # new parameter storage: never the old graphs
     assert moved is not three
     pool.clear()
     assert len(pool) == 0
@@ -120,18 +139,33 @@ def test_the_pool_keeps_one_buffer_per_bucket_and_drops_the_least_recently_used(
         serving.GraphPool(max_entries=0)
 
 
-def test_scores_through_a_pool_buffer_equal_the_full_recompute_over_requests():
-    # The pool's eager runs (the first of each size) on the CPU: a kept buffer, several requests in turn.
+def test_a_models_own_pool_goes_with_the_model():
+    import gc
+    import weakref
+
+    model, cache = cached()
+    request(serving.graph_pool(model), model, cache, ["c", "e"], 1)
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None
+
+
+@pytest.mark.parametrize("micro_batch", [2, 3, None])
+def test_padded_micro_batches_through_the_pool_score_as_the_eager_path(micro_batch, monkeypatch):
+    # Several requests through one pool (its kept buffer, every user's candidates padded to one width), on the
+    # CPU; the eager path equals the full recompute (test_serving.py).
+    eager_graphs(monkeypatch)
     model, cache = cached()
     pool = serving.GraphPool()
     g = torch.Generator().manual_seed(3)
-    for users, counts in ((["c", "a"], [4, 2]), (["d", "e"], [1, 5]), (["b", "c"], [3, 3])):
+    for users, counts in ((["c", "a"], [4, 2]), (["d", "e"], [1, 5]), (["b", "c"], [3, 0]), (["c", "a"], [5, 5])):
         items = torch.randint(1, 51, (sum(counts),), generator=g)
-        room = model.group_size * 2
-        graphs = pool.graphs(model, cache, users, room)
-        got = torch.zeros(sum(counts), 3, dtype=torch.float64)
-        for mb in serving.micro_batches(offsets_from(counts), 2):
-            got[mb.index] = model.score_micro_batch(graphs.history, items[mb.index], mb.counts_tensor, 40)
-        want = model.score_cached(cache, users, items, offsets_from(counts), micro_batch=2)
+        batches = serving.micro_batches(offsets_from(counts), micro_batch)
+        widest = max(max(mb.counts) for mb in batches)
+        width = serving.padded_width(widest, micro_batch, [LENGTHS[u] for u in users], model.group_size, 40)
+        assert width >= widest and (micro_batch is None or width == min(micro_batch, 16) or width == widest)
+        got = model._score_through_pool(pool, cache, users, items, batches, width)
+        want = model.score_cached(cache, users, items, offsets_from(counts), micro_batch, cuda_graphs=False)
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    assert len(pool) == 1
+    assert len(pool) <= 2

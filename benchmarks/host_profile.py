@@ -1,0 +1,93 @@
+"""Where an eager attention call's host time goes, with the plan built once outside the call (CUDA).
+
+    PYTHONPATH=$PWD python3 benchmarks/host_profile.py [--top 25]
+
+Per configuration: host microseconds per forward and per forward+backward call (the median of 7 runs of 50
+calls each, no synchronisation inside a run: a call is launch-bound when this exceeds its device time), then
+a cProfile of 50 calls of each, by own time (the Python functions and the C calls they make: Triton's launcher,
+torch ops, the allocator).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import time
+
+import torch
+
+import flexhstu
+from flexhstu import Kernel, masks
+from flexhstu.jagged import offsets_from_lengths
+
+CONFIGS = {
+    "A causal B32 S1024": ([1024] * 32, "causal"),
+    "C causal B4 S8192": ([8192] * 4, "causal"),
+    "W window 256 B4 S8192": ([8192] * 4, "window"),
+    "C SLA 256/32 B4 S8192": ([8192] * 4, "sla"),
+}
+
+
+def calls(lengths: list[int], mask: str):
+    offs = offsets_from_lengths(lengths, device="cuda")
+    total, n = sum(lengths), max(lengths)
+    kw = {
+        "causal": {},
+        "window": {"max_attn_len": 256},
+        "sla": {"attn_func": masks.sla(offs, 256, 32, total=total)},
+    }[mask]
+    plan = flexhstu.build_plan(offs, total=total, max_seq_len=n, sparse=mask != "causal", **kw)
+    q, k, v = (torch.randn(total, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    do = torch.randn_like(q)
+
+    def fwd():
+        return flexhstu.hstu_mha(n, None, q, k, v, offs, kernel=Kernel.TRITON, attn_plan=plan, **kw)
+
+    def fwd_bwd():
+        return torch.autograd.grad(fwd(), (q, k, v), do)
+
+    return fwd, fwd_bwd
+
+
+def host_us(fn, runs: int = 7, per_run: int = 50) -> float:
+    times = []
+    for _ in range(runs):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(per_run):
+            fn()
+        times.append((time.perf_counter() - t0) / per_run * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--only", default="", help="comma-separated configuration names (prefixes)")
+    a = p.parse_args()
+    names = [n for n in CONFIGS if not a.only or any(n.startswith(o.strip()) for o in a.only.split(","))]
+    for name in names:
+        fwd, fwd_bwd = calls(*CONFIGS[name])
+        for fn in (fwd, fwd_bwd):
+            for _ in range(5):
+                fn()
+        print(f"== {name}: host us per call: fwd {host_us(fwd):.1f}, fwd+bwd {host_us(fwd_bwd):.1f}", flush=True)
+        for label, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+            torch.cuda.synchronize()
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(50):
+                fn()
+            prof.disable()
+            torch.cuda.synchronize()
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(a.top)
+            print(f"-- {name} {label}: cProfile of 50 calls, by own time\n{out.getvalue()}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
