@@ -185,12 +185,13 @@ class GraphPool:
         g = model.group_size
         with self.lock:
             entry = self._entry(model, cache, users, width * g)
-            if entry.done is not None and entry.used:  # the last request's reads of the buffers come first
-                torch.cuda.current_stream(entry.done.device).wait_event(entry.done)
             graphs = entry.graphs
+            device = graphs.history.offsets.device
+            if entry.done is not None and entry.used:  # the last request's reads of the buffers come first
+                torch.cuda.current_stream(device).wait_event(entry.done)
             graphs.history = cache.gather(users, room=width * g, into=graphs.history)
             shape = [width] * len(users)
-            counts = torch.tensor(shape, dtype=torch.int64).to(graphs.history.offsets.device)
+            counts = torch.tensor(shape, dtype=torch.int64).to(device)
 
             def run(items: torch.Tensor, positions: torch.Tensor, host_counts: Sequence[int]) -> torch.Tensor:
                 if max(host_counts, default=0) > width:
@@ -207,7 +208,7 @@ class GraphPool:
                 yield run
             finally:
                 if entry.done is not None:
-                    entry.done.record()
+                    entry.done.record(torch.cuda.current_stream(device))
                     entry.used = True
 
     def _entry(self, model: nn.Module, cache: HistoryCache, users: Sequence[Hashable], room: int) -> _Entry:

@@ -180,6 +180,21 @@ def test_graphs_kept_across_requests_replay_for_other_users_and_history_lengths(
         eager = model.score_cached(cache, users, items, coffs, micro_batch=32, cuda_graphs=False)
         graphed = model.score_cached(cache, users, items, coffs, micro_batch=32, cuda_graphs=True, graph_pool=pool)
         errs["".join(users) + str(counts)] = rel(graphed, eager)
+    # Two requests on two streams, back to back: the second's copies into the kept buffer wait for the first.
+    side = [torch.cuda.Stream(), torch.cuda.Stream()]
+    pairs = [
+        (["a", "b"], torch.randint(1, 1001, (192,), device="cuda")),
+        (["c", "d"], torch.randint(1, 1001, (192,), device="cuda")),
+    ]
+    torch.cuda.synchronize()
+    outs = []
+    for stream, (users, items) in zip(side, pairs):
+        with torch.cuda.stream(stream):
+            outs.append(model.score_cached(cache, users, items, offsets([96, 96]), micro_batch=32, graph_pool=pool))
+    torch.cuda.synchronize()
+    for (users, items), got in zip(pairs, outs):
+        eager = model.score_cached(cache, users, items, offsets([96, 96]), micro_batch=32, cuda_graphs=False)
+        errs["streams " + "".join(users)] = rel(got, eager)
     assert len(pool) == 1  # every request in the one bucket's buffer
     entry = next(iter(pool._entries.values()))
     assert list(entry.graphs._graphs) == [64]  # 2 x 32 candidates: captured once (in the first request)
