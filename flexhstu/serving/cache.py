@@ -150,17 +150,12 @@ class HistoryCache:
             got = [(t.shape[1:], t.dtype, t.device) for t in getattr(into, name)]
             if want != got:
                 raise bad_value(f"into.{name}", f"per layer (rows, heads, dim), dtype and device {want}", got)
-        dst, src = [], []
         for layer in range(self.num_layers):
             for bufs, name in ((into.k, "k"), (into.v, "v")):
                 start = 0
                 for e, n in zip(entries, lengths):
-                    if n:
-                        dst.append(bufs[layer][start : start + n])
-                        src.append(getattr(e, name)[layer])
+                    bufs[layer][start : start + n].copy_(getattr(e, name)[layer])
                     start += n + room
-        if dst:  # one multi-tensor copy (a few launches on CUDA), not one launch per user, layer, K and V
-            torch._foreach_copy_(dst, src)
         into.offsets.copy_(host_offsets)
         return JaggedHistory(into.k, into.v, into.offsets, lengths, room)
 
