@@ -290,10 +290,9 @@ class OneRankModel(nn.Module):
 
     def _score_through_pool(self, pool, cache, users, cand_items, batches, width: int) -> torch.Tensor:
         """``score_cached``'s graph path: every micro-batch padded to ``width`` candidates a user, replayed."""
-        positions = serving.padded_positions([mb.counts for mb in batches], width, cand_items.device)
-        at = dict(zip(map(id, batches), positions))
         with pool.request(self, cache, users, width) as padded:
-            return self._score_batches(cand_items, batches, lambda items, mb: padded(items, at[id(mb)], mb.counts))
+            run = lambda items, mb: padded(items, mb.counts_tensor, mb.counts)
+            return self._score_batches(cand_items, batches, run)
 
     def _score_batches(self, cand_items: torch.Tensor, batches: list, run) -> torch.Tensor:
         scores = self.head.bias.new_zeros(cand_items.shape[0], len(TASKS))

@@ -18,7 +18,6 @@ from .graphs import (
     MicroBatchGraphs,
     capacity_bucket,
     graph_pool,
-    padded_positions,
     padded_width,
 )
 from .scoring import MicroBatch, micro_batches
@@ -44,7 +43,6 @@ __all__ = [
     "layer_delta",
     "micro_batches",
     "new_row_coords",
-    "padded_positions",
     "padded_width",
     "prefill",
     "stack_delta",

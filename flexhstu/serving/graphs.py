@@ -127,9 +127,11 @@ def padded_width(
 class _Entry:
     """A kept history buffer, its graphs, and the event that marks the end of the last request that used them."""
 
-    def __init__(self, graphs: MicroBatchGraphs):
+    def __init__(self, graphs: MicroBatchGraphs, width: int):
         self.graphs = graphs
         device = graphs.history.offsets.device
+        users = graphs.history.offsets.shape[0] - 1
+        self.counts = torch.full((users,), width, dtype=torch.int64, device=device)  # every padded micro-batch
         self.done = torch.cuda.Event() if device.type == "cuda" else None
         self.used = False
 
@@ -178,10 +180,11 @@ class GraphPool:
     def request(
         self, model: nn.Module, cache: HistoryCache, users: Sequence[Hashable], width: int
     ) -> Iterator[Callable[[torch.Tensor, torch.Tensor, Sequence[int]], torch.Tensor]]:
-        """Within the block, ``run(items (c,), positions (c,), counts)`` scores one micro-batch of the request:
-        ``counts[b] <= width`` candidates of user ``b``, user by user, ``positions`` their rows in the padded
-        micro-batch (``padded_positions``). The users' histories are laid out in the entry's buffer, each
-        followed by room for ``width`` candidates; the pool is held until the block ends."""
+        """Within the block, ``run(items (c,), counts (B,), host_counts)`` scores one micro-batch of the request:
+        ``counts[b] <= width`` candidates of user ``b`` (int64 on the device, the same as ``host_counts``), user
+        by user. The users' histories are laid out in the entry's buffer, each followed by room for ``width``
+        candidates; the pool is held until the block ends. A micro-batch short of ``width`` for some user is
+        padded on the device (no copy from the host, which would wait for the device)."""
         g = model.group_size
         with self.lock:
             entry = self._entry(model, cache, users, width * g)
@@ -191,18 +194,19 @@ class GraphPool:
                 torch.cuda.current_stream(device).wait_event(entry.done)
             graphs.history = cache.gather(users, room=width * g, into=graphs.history)
             shape = [width] * len(users)
-            counts = torch.tensor(shape, dtype=torch.int64).to(device)
 
-            def run(items: torch.Tensor, positions: torch.Tensor, host_counts: Sequence[int]) -> torch.Tensor:
+            def run(items: torch.Tensor, counts: torch.Tensor, host_counts: Sequence[int]) -> torch.Tensor:
                 if max(host_counts, default=0) > width:
                     raise bad_value("counts", f"at most width={width} candidates a user", list(host_counts))
-                padded = (
-                    items[:1].expand(len(shape) * width).clone()
-                    if items.numel()
-                    else items.new_ones(len(shape) * width)
-                )
+                if all(n == width for n in host_counts):
+                    return graphs(items, entry.counts, shape)
+                ends = counts.cumsum(0)
+                t = torch.arange(items.shape[0], device=items.device)
+                user = torch.searchsorted(ends, t, right=True)
+                positions = user * width + t - (ends - counts)[user]  # the rows' places in the padded batch
+                padded = items[:1].expand(len(shape) * width).clone()  # copies of the first, scores dropped
                 padded[positions] = items
-                return graphs(padded, counts, shape)[positions]
+                return graphs(padded, entry.counts, shape)[positions]
 
             try:
                 yield run
@@ -238,17 +242,9 @@ class GraphPool:
                 room,
             )
             # A weak reference: the pool of serving.graph_pool(model) must not keep its model alive.
-            entry = _Entry(MicroBatchGraphs(weakref.proxy(model), kept, cache.max_seq_len))
+            entry = _Entry(MicroBatchGraphs(weakref.proxy(model), kept, cache.max_seq_len), room // model.group_size)
         self._entries[key] = entry
         return entry
-
-
-def padded_positions(counts: Sequence[Sequence[int]], width: int, device: torch.device) -> list[torch.Tensor]:
-    """Per micro-batch (``counts[j][b]`` candidates of user ``b``), the rows of its candidates in the padded
-    micro-batch of ``width`` rows a user (user ``b``'s at ``b width ..``), all moved to ``device`` in one copy."""
-    pieces = [[b * width + i for b, n in enumerate(mb) for i in range(n)] for mb in counts]
-    flat = torch.tensor([i for piece in pieces for i in piece], dtype=torch.int64).to(device)
-    return list(flat.split([len(piece) for piece in pieces]))
 
 
 def _storage(model: nn.Module) -> tuple:
