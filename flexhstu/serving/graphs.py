@@ -35,14 +35,13 @@ from torch import nn
 from .._errors import as_int, bad_value
 from .cache import HistoryCache, JaggedHistory
 
-GRAPH_MAX_ROWS = 4096
+GRAPH_MAX_ROWS = 8192
 """``score_cached`` replays graphs by default for micro-batches of at most this many new rows (candidates times
-the group size, all users, after padding): small micro-batches are bound by the host, which a replay removes.
-The graphs are kept across requests (``GraphPool``), so a capture's cost is paid once per micro-batch shape and
-buffer bucket. H100, 4 layers of 512, history 16384, 2048 candidates a user in micro-batches of 256, one user
-(1024 rows): 6.0-6.7 ms a request against 28-32 eager (``benchmarks/RESULTS.md``). At 8192 rows (eight such
-users, or one user's 2048 candidates at once) graphs and eager measured within a few percent of each other,
-either way round in two runs, so the default stays eager there."""
+the group size, all users, after padding). The graphs are kept across requests (``GraphPool``), so a capture's
+cost is paid once per micro-batch shape and buffer bucket. H100, 4 layers of 512, history 16384, 2048 candidates
+a user in micro-batches of 256, one request, graphs kept against eager (``benchmarks/RESULTS.md``): one user
+(1024 rows) 5.99 ms against 28.15; eight users (8192 rows) 28.31 ms against 30.12. Larger micro-batches are
+device-bound and were not measured."""
 
 
 class MicroBatchGraphs:
