@@ -278,8 +278,16 @@ class OneRankModel(nn.Module):
             cuda_graphs = (
                 cand_items.is_cuda
                 and bool(batches)
+                and width is not None
                 and self.group_size * width * len(users) <= serving.GRAPH_MAX_ROWS
                 and self._no_graph_reason(cand_items.device) is None
+            )
+        if cuda_graphs and width is None:  # padded to one shape, some history would pass the cache's bound
+            raise bad_value(
+                "cuda_graphs",
+                f"False or None for this request (every user's micro-batches padded to {widest} candidates "
+                f"would take a history past the cache's max_seq_len {cache.max_seq_len})",
+                True,
             )
         if not cuda_graphs:
             history = cache.gather(users, room=room)

@@ -39,9 +39,10 @@ GRAPH_MAX_ROWS = 8192
 """``score_cached`` replays graphs by default for micro-batches of at most this many new rows (candidates times
 the group size, all users, after padding). The graphs are kept across requests (``GraphPool``), so a capture's
 cost is paid once per micro-batch shape and buffer bucket. H100, 4 layers of 512, history 16384, 2048 candidates
-a user in micro-batches of 256, one request, graphs kept against eager (``benchmarks/RESULTS.md``): one user
-(1024 rows) 5.99 ms against 28.15; eight users (8192 rows) 28.31 ms against 30.12. Larger micro-batches are
-device-bound and were not measured."""
+a user (``benchmarks/RESULTS.md``): one user in micro-batches of 256 (1024 rows), 6.0-6.3 ms a request against
+28-32 eager; the same user's candidates all at once (8192 rows), 3.8-3.9 ms against 5.2 eager (an older
+eager path); eight users in micro-batches of 256 (8192 rows), level with eager (28.3 against 30.1 ms in one
+run, 30.3 against 29.6 in another). Larger micro-batches are device-bound and were not measured."""
 
 
 class MicroBatchGraphs:
@@ -110,18 +111,20 @@ def capacity_bucket(rows: int, least: int = 1024) -> int:
 
 def padded_width(
     widest: int, micro_batch: int | None, lengths: Sequence[int], group_size: int, max_seq_len: int
-) -> int:
+) -> int | None:
     """Candidates per user in every micro-batch of a request through a ``GraphPool`` (each user's are padded to
     it): the ``micro_batch`` size when some user reaches it, else ``capacity_bucket(widest, 16)``, so that the
-    requests of one setting share one graph; ``widest`` (no padding) where a history and the padded rows would
-    pass ``max_seq_len``. ``widest``: the most candidates of one user in one micro-batch."""
+    requests of one setting share one graph; ``widest`` where a history and that many padded rows would pass
+    ``max_seq_len``, and None where even ``widest`` would (a user with a long history and few candidates: no
+    graph path then). ``widest``: the most candidates of one user in one micro-batch."""
+    fits = lambda w: all(n + group_size * w <= max_seq_len for n in lengths)
     width = capacity_bucket(widest, 16)
     if micro_batch is not None:
         width = min(width, micro_batch)
     width = max(width, widest)
-    if any(n + group_size * width > max_seq_len for n in lengths):
-        return widest
-    return width
+    if fits(width):
+        return width
+    return widest if fits(widest) else None
 
 
 class _Entry:
@@ -146,9 +149,9 @@ class GraphPool:
     takes ``serving.graph_pool(model)`` unless given one).
 
     Every micro-batch of a request through the pool has the same shape: each user's candidates are padded to
-    ``padded_width`` (copies of the request's first candidate, whose scores are dropped: candidate groups never
-    see each other, so the real candidates' scores do not change), and one graph per shape is captured once
-    and replayed by every later request of that shape, whatever its users and history lengths.
+    ``padded_width`` (copies of the micro-batch's first candidate, whose scores are dropped: candidate groups
+    never see each other, so the real candidates' scores do not change), and one graph per shape is captured
+    once and replayed by every later request of that shape, whatever its users and history lengths.
 
     One entry per (the model's parameter storage, inference mode, users per request, width, ``capacity_bucket``
     of the history rows with their room, the cache's ``max_seq_len``, the K and V shapes): a history buffer of
@@ -182,9 +185,10 @@ class GraphPool:
     ) -> Iterator[Callable[[torch.Tensor, torch.Tensor, Sequence[int]], torch.Tensor]]:
         """Within the block, ``run(items (c,), counts (B,), host_counts)`` scores one micro-batch of the request:
         ``counts[b] <= width`` candidates of user ``b`` (int64 on the device, the same as ``host_counts``), user
-        by user. The users' histories are laid out in the entry's buffer, each followed by room for ``width``
-        candidates; the pool is held until the block ends. A micro-batch short of ``width`` for some user is
-        padded on the device (no copy from the host, which would wait for the device)."""
+        by user, at least one in all. The users' histories are laid out in the entry's buffer, each followed by
+        room for ``width`` candidates; the pool is held until the block ends. A micro-batch short of ``width``
+        for some user is padded on the device (no copy from the host, which would wait for the device). A full
+        one returns the graph's output buffer itself: copy it before the next ``run``."""
         g = model.group_size
         with self.lock:
             entry = self._entry(model, cache, users, width * g)
@@ -196,8 +200,12 @@ class GraphPool:
             shape = [width] * len(users)
 
             def run(items: torch.Tensor, counts: torch.Tensor, host_counts: Sequence[int]) -> torch.Tensor:
-                if max(host_counts, default=0) > width:
-                    raise bad_value("counts", f"at most width={width} candidates a user", list(host_counts))
+                if len(host_counts) != len(shape) or max(host_counts, default=0) > width:
+                    raise bad_value(
+                        "host_counts", f"{len(shape)} counts of at most width={width} candidates", list(host_counts)
+                    )
+                if sum(host_counts) != items.shape[0] or not items.shape[0]:
+                    raise bad_value("items", f"the counts' {sum(host_counts)} candidates, at least one", items.shape[0])
                 if all(n == width for n in host_counts):
                     return graphs(items, entry.counts, shape)
                 ends = counts.cumsum(0)

@@ -171,8 +171,8 @@ def test_graphs_kept_across_requests_replay_for_other_users_and_history_lengths(
     pool = serving.GraphPool()
     errs = {}
     requests = [(["a", "b"], [96, 96]), (["c", "d"], [96, 96]), (["e", "f"], [96, 96]), (["a", "b"], [96, 96])]
-    # One total (64) per micro-batch from other per-user counts ([32, 32], [32, 16] + [16, 32], ...), and last
-    # micro-batches of other sizes: all padded to 32 candidates a user.
+    # Other per-user counts ([32, 32], then [32, 16] and [16, 32], [1, 7], [0, 31], ...): the micro-batches short
+    # of 32 candidates for some user are padded to 32 a user, one shape for all.
     requests += [(["c", "d"], [80, 48]), (["b", "a"], [48, 80]), (["f", "e"], [33, 7]), (["d", "c"], [1, 95])]
     for users, counts in requests:
         items = torch.randint(1, 1001, (sum(counts),), device="cuda")

@@ -64,8 +64,9 @@ def test_padded_widths_are_shared_by_the_requests_of_one_micro_batch_setting():
     assert serving.padded_width(200, 256, fits, g, 4096) == 224 and serving.padded_width(3, 256, fits, g, 4096) == 16
     for widest in (0, 1, 17, 100, 1000, 4097):  # all candidates at once: a bucket, never below the need
         assert widest <= serving.padded_width(widest, None, [0], g, 10**6) <= max(16, widest * 5 // 4)
-    # Where padding would take a history and its rows past max_seq_len: no padding.
+    # Where padding would take a history and its rows past max_seq_len: no padding, or no graph path at all.
     assert serving.padded_width(200, 256, [3000, 3100], g, 3100 + 4 * 200) == 200
+    assert serving.padded_width(8, None, [30, 5], g, 40) is None  # user 0 (1 candidate, say) padded to 8
 
 
 @pytest.mark.parametrize("kernel", ["pytorch", "triton"])
@@ -169,3 +170,17 @@ def test_padded_micro_batches_through_the_pool_score_as_the_eager_path(micro_bat
         want = model.score_cached(cache, users, items, offsets_from(counts), micro_batch, cuda_graphs=False)
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     assert len(pool) <= 2
+
+
+def test_a_pool_run_refuses_counts_that_do_not_fit_its_items_or_width(monkeypatch):
+    eager_graphs(monkeypatch)
+    model, cache = cached()
+    with serving.GraphPool().request(model, cache, ["c", "a"], 2) as run:
+        items = torch.randint(1, 51, (3,))
+        with pytest.raises(ValueError, match=r"host_counts: expected 2 counts of at most width=2 candidates"):
+            run(items, torch.tensor([3, 0]), [3, 0])
+        with pytest.raises(ValueError, match=r"host_counts: expected 2 counts"):
+            run(items, torch.tensor([3]), [3])
+        with pytest.raises(ValueError, match=r"items: expected the counts' 2 candidates, at least one, got 3"):
+            run(items, torch.tensor([1, 1]), [1, 1])
+        assert run(items, torch.tensor([2, 1]), [2, 1]).shape == (3, 3)
