@@ -249,8 +249,10 @@ class GraphPool:
                 [0] * len(users),
                 room,
             )
-            # A weak reference: the pool of serving.graph_pool(model) must not keep its model alive.
-            entry = _Entry(MicroBatchGraphs(weakref.proxy(model), kept, cache.max_seq_len), room // model.group_size)
+            entry = _Entry(MicroBatchGraphs(model, kept, cache.max_seq_len), room // model.group_size)
+        # A weak reference: the pool of serving.graph_pool(model) must not keep its model alive. Refreshed on
+        # every request: a new model can take a dead one's storage, and with it its key.
+        entry.graphs.model = weakref.proxy(model)
         self._entries[key] = entry
         return entry
 
