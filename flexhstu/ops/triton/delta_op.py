@@ -14,10 +14,12 @@ from .block_plan import Visibility
 from .block_tables import block_table, safe_offsets
 from .config import tiles
 from .delta_kernel import delta_forward_kernel
+from .fast_launch import Launcher
 from .launch import _MODE_CAUSAL, _MODE_FIXED, _MODE_FUNC, _attention_args, _interpreting, _last_dim_contiguous
 from .limits import tile_dim
 
 MAX_SPLITS = 16
+_DELTA = Launcher(delta_forward_kernel)
 _FORCED_SPLITS: ContextVar[int | None] = ContextVar("flexhstu_delta_splits", default=None)
 
 
@@ -69,7 +71,8 @@ def delta_forward(delta_q, k, v, offs, q_offs, q_start, vis: Visibility, alpha: 
                                                 _multiprocessors(delta_q.device))
     out = torch.zeros(splits * total_q, nheads, dv, dtype=delta_q.dtype if splits == 1 else torch.float32,
                       device=delta_q.device)
-    delta_forward_kernel[(nqb, nheads, splits)](
+    _DELTA.launch(
+        (nqb, nheads, splits),
         **_attention_args(delta_q, k, v, offs, vis, alpha, interpreting), **tile.launch(),
         OUT=jagged(out), KVLEN=offs if kv_lengths is None else kv_lengths, HAS_KVLEN=kv_lengths is not None,
         QOFFS=q_offs, QSTART=q_start, QTAB=qtab, n_flat=nqb, total_q=total_q, out_scale=out_scale,

@@ -13,6 +13,7 @@ from .backward import hstu_backward_dkdv_kernel, hstu_backward_dq_kernel, zero_s
 from .block_plan import BlockPlan, Visibility
 from .config import Tiles, tiles
 from .debug import poisoning
+from .fast_launch import Launcher
 from .forward import hstu_forward_kernel
 from .limits import tile_dim
 from .rab_tiles import rab_args
@@ -25,6 +26,8 @@ MAX_SPLIT = 16
 atomically in the outputs' dtype, so more pieces mean more roundings of bf16 sums; 16 pieces of 256 query
 blocks of 32 rows cover a 131,072-row SLA prefix column with no piece longer than the average walk."""
 _SMS: dict[torch.device, int] = {}
+_FORWARD, _DQ = Launcher(hstu_forward_kernel), Launcher(hstu_backward_dq_kernel)
+_DKDV, _ZERO_SPLIT_ROWS = Launcher(hstu_backward_dkdv_kernel), Launcher(zero_split_rows_kernel)
 
 
 def _workers(device: torch.device) -> int:
@@ -124,7 +127,8 @@ def forward(q, k, v, offs, vis: Visibility, alpha: float, out_scale: float,
     plan = plan if plan is not None else BlockPlan(offs, total, vis)
     offs = plan.offs  # safe offsets (BlockPlan.offs): the kernels never follow the caller's
     qtab, nqb = plan.tables.table(tile.block_m)
-    hstu_forward_kernel[(nqb, nheads)](
+    _FORWARD.launch(
+        (nqb, nheads),
         **_attention_args(q, k, v, offs, vis, alpha, interpreting, bias is not None or rab is not None),
         **tile.launch(),
         **_scale_args(attn_scale, offs), **_bias_args(bias), **_rab_args(rab), OUT=jagged(out), QTAB=qtab,
@@ -156,7 +160,8 @@ def backward(dout, q, k, v, offs, vis: Visibility, alpha: float, out_scale: floa
     args.update(_scale_args(attn_scale, offs))
     scale = 1.0 if attn_scale is not None else out_scale  # attn_scale replaces out_scale, row by row
     qtab, nqb = plan.tables.table(tq.block_m)
-    hstu_backward_dq_kernel[(nqb, nheads)](
+    _DQ.launch(
+        (nqb, nheads),
         **args, **tq.launch(), **_bias_args(bias), **_rab_args(rab),
         DO=jagged(dout), DQ=jagged(dq), QTAB=qtab, n_flat=nqb, dq_scale=alpha * scale,
     )
@@ -181,10 +186,12 @@ def backward(dout, q, k, v, offs, vis: Visibility, alpha: float, out_scale: floa
         split, n_workers, chunk = None, 0, _NEVER_SPLIT
     dk, dv = _new_like(k), _new_like(v)
     if split is not None:
-        zero_split_rows_kernel[(km.n_kblocks, nheads if vis.per_head() else 1)](
-            offs, km.ktab, km.qlo, km.qhi, jagged(dk), jagged(dv), km.n_kblocks, nheads, chunk,
-            PER_HEAD=vis.per_head(), CAUSAL=vis.mode == _MODE_CAUSAL, BLOCK_M=tkv.block_m, BLOCK_N=tkv.block_n,
-            DIM_QK=args["DIM_QK"], DIM_V=args["DIM_V"], TILE_QK=args["TILE_QK"], TILE_V=args["TILE_V"], num_warps=4)
+        _ZERO_SPLIT_ROWS.launch(
+            (km.n_kblocks, nheads if vis.per_head() else 1),
+            OFFS=offs, KTAB=km.ktab, QLO=km.qlo, QHI=km.qhi, DK=jagged(dk), DV=jagged(dv), n_kblocks=km.n_kblocks,
+            n_heads=nheads, chunk=chunk, PER_HEAD=vis.per_head(), CAUSAL=vis.mode == _MODE_CAUSAL, BLOCK_M=tkv.block_m,
+            BLOCK_N=tkv.block_n, DIM_QK=args["DIM_QK"], DIM_V=args["DIM_V"], TILE_QK=args["TILE_QK"],
+            TILE_V=args["TILE_V"], num_warps=4)
     lists = dict(ITEM_KB=split.kb, ITEM_LO=split.lo, ITEM_HI=split.hi, NITEMS=split.n, item_cap=split.cap) if split \
         else dict(ITEM_KB=km.ktab, ITEM_LO=km.ktab, ITEM_HI=km.ktab, NITEMS=km.ktab, item_cap=0)
     grads = {"BIAS_GRAD": True} if bias is not None and bias.args.dpos.numel() else {}
@@ -194,7 +201,8 @@ def backward(dout, q, k, v, offs, vis: Visibility, alpha: float, out_scale: floa
             shared = nheads > 1 and (drab.dim() == 3 or drab.shape[1] == 1)  # the heads' programs meet
             grads.update(DRAB=rab_args(drab), RAB_GRAD=True, RAB_SHARED=shared)
     for bias_kw in bias_passes(bias):
-        hstu_backward_dkdv_kernel[((n_workers + km.n_kblocks) * nheads,)](
+        _DKDV.launch(
+            ((n_workers + km.n_kblocks) * nheads,),
             **args, **tkv.launch(), **bias_kw, **grads, **lists,
             DO=jagged(dout), DK=jagged(dk), DV=jagged(dv), KTAB=km.ktab, BOUNDS=km.bounds, QLO=km.qlo, QHI=km.qhi,
             n_workers=n_workers, n_heads=nheads, plan_head=1 if vis.per_head() else 0, n_qblocks=km.n_qblocks,

@@ -1,0 +1,151 @@
+"""``fast_launch.Launcher`` against Triton's own ``JITFunction.run``, on the CPU: a real JITFunction, the
+driver faked (device 0, an sm_90 target) and the compiler replaced by a recorder, so that both paths run
+up to the launcher. A direct launch must pass the launcher what Triton's path passes (the same compiled
+kernel, grid, stream and arguments), without the hooks; every other case must take Triton's path. The GPU
+suite runs every kernel through it."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import triton.language as tl
+import triton.runtime.jit as jit
+from triton.backends.compiler import GPUTarget
+from triton.compiler import CompiledKernel
+
+from flexhstu.ops.triton import fast_launch
+from flexhstu.ops.triton.fast_launch import Launcher
+
+SCALE = 3  # a global the kernel reads
+
+
+def _kernel_fn(X, n, scale, ROWS: tl.constexpr, flag=None, COLS: tl.constexpr = 4):
+    tl.static_assert(SCALE > 0)
+
+
+class _Compiled(CompiledKernel):
+    run = None  # a plain attribute here (CompiledKernel's is a property)
+
+    def __init__(self, log, number):
+        self.name, self.src, self.function, self.packed_metadata = "k", None, f"function {number}", "metadata"
+        self.run = lambda *a: log.append(a)
+
+    def _init_handles(self):
+        pass
+
+
+@pytest.fixture
+def kernel(monkeypatch):
+    fn = jit.JITFunction(_kernel_fn)
+    launches, compiled = [], []
+
+    def do_compile(key, signature, device, constexprs, options, attrs, warmup):
+        c = _Compiled(launches, len(compiled))
+        compiled.append((signature, constexprs, attrs))
+        scope = globals()
+        fn.used_global_vals[("SCALE", id(scope))] = (scope["SCALE"], scope)  # as Triton's compiler records it
+        fn.device_caches[device][0][key] = c
+        return c
+
+    monkeypatch.setattr(fn, "_do_compile", do_compile)
+    device = types.SimpleNamespace(
+        get_current_device=lambda: 0,
+        get_current_stream=lambda d: 77,
+        get_current_target=lambda: GPUTarget("cuda", 90, 32),
+    )
+    fake = types.SimpleNamespace(active=device)
+    monkeypatch.setattr(fast_launch, "driver", fake)
+    monkeypatch.setattr(jit, "driver", fake)
+    return types.SimpleNamespace(fn=fn, launches=launches, compiled=compiled)
+
+
+def _direct(call) -> bool:
+    return call[6:9] == (None, None, None)  # no metadata, no hooks: Launcher's own launch
+
+
+def test_a_direct_launch_passes_what_tritons_launch_passes(kernel):
+    x = torch.zeros(8)
+    kw = dict(X=x, n=32, scale=0.5, ROWS=4, num_warps=4)
+    Launcher(kernel.fn).launch((3, 2), **kw)  # compiles, through Triton
+    Launcher(kernel.fn).launch((3, 2), **kw)
+    kernel.fn[(3, 2)](**kw)
+    assert len(kernel.compiled) == 1 and len(kernel.launches) == 3
+    first, direct, by_triton = kernel.launches
+    assert not _direct(first) and _direct(direct) and not _direct(by_triton)
+    assert direct[:6] == by_triton[:6] == (3, 2, 1, 77, "function 0", "metadata")
+    assert len(direct) == len(by_triton)
+    assert all(a is b for a, b in zip(direct[9:], by_triton[9:]))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"ROWS": 8},  # a constexpr
+        {"num_warps": 8},  # a launch option
+        {"n": 33},  # an int's divisibility
+        {"n": 1},  # Triton makes 1 a constant
+        {"X": torch.zeros(9)[1:]},  # a tensor's alignment
+        {"X": torch.zeros(8, dtype=torch.float16)},  # a tensor's dtype
+        {"flag": 3},  # a default replaced
+    ],
+)
+def test_another_specialisation_is_compiled_by_triton_then_launched_directly(kernel, change):
+    kw = dict(X=torch.zeros(8), n=32, scale=0.5, ROWS=4, num_warps=4)
+    launcher = Launcher(kernel.fn)
+    launcher.launch((1,), **kw)
+    launcher.launch((1,), **{**kw, **change})
+    assert len(kernel.compiled) == 2 and not any(_direct(c) for c in kernel.launches)
+    launcher.launch((1,), **{**kw, **change})
+    assert len(kernel.compiled) == 2 and _direct(kernel.launches[-1])
+    assert kernel.launches[-1][4] == "function 1"
+
+
+def test_other_values_of_one_specialisation_launch_directly(kernel):
+    launcher = Launcher(kernel.fn)
+    launcher.launch((1,), X=torch.zeros(8), n=32, scale=0.5, ROWS=4)
+    y = torch.ones(4)
+    launcher.launch((5,), X=y, n=48, scale=2.0, ROWS=4)
+    assert len(kernel.compiled) == 1 and _direct(kernel.launches[-1])
+    args = kernel.launches[-1][9:]
+    assert args[0] is y and args[1:4] == (48, 2.0, 4) and args[4] is None and args[5] == 4
+
+
+def test_hooks_a_changed_global_and_other_grids_take_tritons_path(kernel, monkeypatch):
+    launcher = Launcher(kernel.fn)
+    kw = dict(X=torch.zeros(8), n=32, scale=0.5, ROWS=4)
+    launcher.launch((1,), **kw)
+
+    def hook(metadata):
+        pass
+
+    fast_launch.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        launcher.launch((1,), **kw)
+    finally:
+        fast_launch.knobs.runtime.launch_enter_hook.remove(hook)
+    kernel.fn.pre_run_hooks.append(lambda *a, **k: None)
+    try:
+        launcher.launch((1,), **kw)
+    finally:
+        kernel.fn.pre_run_hooks.clear()
+    launcher.launch([1], **kw)
+    assert len(kernel.launches) == 4 and not any(_direct(c) for c in kernel.launches)
+    launcher.launch((1,), **kw)
+    assert _direct(kernel.launches[-1])
+    monkeypatch.setitem(globals(), "SCALE", 4)
+    with pytest.raises(RuntimeError, match="SCALE"):
+        launcher.launch((1,), **kw)
+
+
+def test_the_interpreters_kernels_are_launched_as_given():
+    calls = []
+
+    class Interpreted:
+        def __getitem__(self, grid):
+            return lambda **kw: calls.append((grid, kw))
+
+    Launcher(Interpreted()).launch((2, 1), A=1)
+    Launcher(Interpreted()).launch((2, 1), A=1)
+    assert calls == [((2, 1), {"A": 1}), ((2, 1), {"A": 1})]
