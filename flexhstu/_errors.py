@@ -25,6 +25,8 @@ def as_int(arg: str, value: object, minimum: int = 0) -> int:
     and tensors: a tensor would need a device read, so the caller says ``int(t)``.
     Symbolic ints (under torch.compile) pass through unchanged.
     """
+    if type(value) is int and value >= minimum:  # the common case, first: every call checks a few
+        return value
     expected = "a non-negative int" if minimum == 0 else f"an int >= {minimum}"
     if isinstance(value, torch.SymInt):
         return value
@@ -89,7 +91,9 @@ def as_scaling(arg: str, value: object) -> float:
 def as_bool(arg: str, value: object) -> bool:
     """``value`` (a Python or NumPy bool) as a bool; anything else (``"no"``, None, 0) is refused: a truth test
     would read ``"no"`` as True."""
-    if isinstance(value, (bool, np.bool_)):
+    if value is True or value is False:
+        return value
+    if isinstance(value, np.bool_):
         return bool(value)
     raise bad_type(arg, "a bool (Python or NumPy)", type(value).__name__)
 

@@ -215,8 +215,10 @@ def _checked_rule(rule: FixedRule, batch: int) -> FixedRule:
     causal = as_bool("causal", rule.causal)  # "no" or None would pass a truth test
     if rule.num_targets is not None:
         check_num_targets_meta(rule.num_targets, batch)
-    ints = {name: as_span(name, getattr(rule, name)) for name in FixedRule._fields[2:]}
-    return rule._replace(causal=causal, **ints)
+    spans = tuple(as_span(name, getattr(rule, name)) for name in FixedRule._fields[2:])
+    if causal is rule.causal and all(a is b for a, b in zip(spans, rule[2:])):  # unchanged: no new tuple
+        return rule
+    return FixedRule(causal, rule.num_targets, *spans)
 
 
 def _check_func_alone(attn_func: torch.Tensor, rule: FixedRule, q: torch.Tensor) -> None:
@@ -329,9 +331,15 @@ def _run_pytorch(c: _Call) -> torch.Tensor:
     )
 
 
-def _run_triton(c: _Call) -> torch.Tensor:
-    from .triton import triton_hstu_mha
+_TRITON_ENTRY = []  # triton_hstu_mha, imported on first use (importing triton costs seconds)
 
+
+def _run_triton(c: _Call) -> torch.Tensor:
+    if not _TRITON_ENTRY:
+        from .triton import triton_hstu_mha
+
+        _TRITON_ENTRY.append(triton_hstu_mha)
+    triton_hstu_mha = _TRITON_ENTRY[0]
     dense = isinstance(c.bias, torch.Tensor)
     common = dict(
         alpha=c.alpha,
@@ -340,6 +348,7 @@ def _run_triton(c: _Call) -> torch.Tensor:
         plan=c.plan,
         rel_bias=None if dense else c.bias,
         rab=c.bias if dense else None,
+        plan_checked=True,  # _checked_call checked the plan, and the capability check the head dims
     )
     if c.attn_scale is not None:  # one float32 factor per row, as the kernels read it
         rows = c.attn_scale.to(torch.float32).expand(c.q.shape[0]).contiguous()

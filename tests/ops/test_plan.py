@@ -311,3 +311,46 @@ def test_the_split_list_cuts_every_long_key_block_range_into_its_pieces(name, ch
             assert [p[0] for p in pieces] == [q_lo + chunk * j for j in range(len(pieces))]
             assert [p[1] for p in pieces[:-1]] == [p[0] for p in pieces[1:]] and pieces[-1][1] == q_hi
     assert any(int(n) > 0 for n in split.n), "no key block was split: the test covers nothing"
+
+
+def test_a_plans_kept_launch_arguments_follow_each_calls_alpha_dtype_head_dims_and_max_seq_len():
+    # The kernels' arguments that depend on the plan are made once and kept in it (Visibility.cached_args),
+    # keyed by what else they depend on: a call that changes one of those must not run on another call's.
+    offs = offsets_from(LENGTHS).to(DEVICE)
+    total, n = sum(LENGTHS), max(LENGTHS)
+    kw = plan_kwargs("sla", offs, LENGTHS)
+    plan = build_plan(offs, total=total, max_seq_len=n, **kw)
+    calls = [  # alpha (the score floor), dtype (dot precision), head dims, max_seq_len (the dK/dV split)
+        dict(alpha=0.3, dtype=torch.float32, dqk=16, dv=32, max_seq_len=n),
+        dict(alpha=2.0, dtype=torch.float32, dqk=16, dv=32, max_seq_len=n),
+        dict(alpha=0.3, dtype=torch.float16, dqk=16, dv=32, max_seq_len=n),
+        dict(alpha=0.3, dtype=torch.float32, dqk=32, dv=16, max_seq_len=n),
+        dict(alpha=0.3, dtype=torch.float32, dqk=32, dv=16, max_seq_len=4 * n),
+        dict(alpha=0.3, dtype=torch.float32, dqk=16, dv=32, max_seq_len=n),
+    ]
+    for i, c in enumerate(calls):
+        q, k, v = (x.to(c["dtype"]).detach().requires_grad_() for x in tensors(total, seed=i, dqk=c["dqk"], dv=c["dv"]))
+        args = (c["max_seq_len"], c["alpha"], q, k, v, offs)
+        out = flexhstu.hstu_mha(*args, attn_plan=plan, kernel=Kernel.TRITON, scaling_seqlen=n, **kw)
+        ref = flexhstu.hstu_mha(*args, kernel=Kernel.PYTORCH, scaling_seqlen=n, **kw)
+        tol = dict(rtol=2e-2, atol=2e-2) if c["dtype"] == torch.float16 else dict(rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(out, ref, **tol, msg=lambda m, c=c: f"{c}: {m}")
+        dout = torch.randn_like(out)
+        for g, w in zip(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(ref, (q, k, v), dout)):
+            torch.testing.assert_close(g, w, **tol, msg=lambda m, c=c: f"{c}: {m}")
+
+
+def test_the_kept_attention_arguments_follow_alpha_and_the_bias():
+    # FLOOR_SCORES (silu.finite_below) is on for |alpha| > 1 or a bias: a kept argument set of another call
+    # would give NaN for -inf scores (the equality test above cannot make one).
+    from flexhstu.ops.triton.launch import _attention_args
+
+    offs = offsets_from(LENGTHS).to(DEVICE)
+    plan = build_plan(offs, total=sum(LENGTHS), max_seq_len=max(LENGTHS), attn_func=masks.sla(offs, 20, 4))
+    block = plan.block
+    q, k, v = tensors(sum(LENGTHS), seed=0)
+    floors = [
+        _attention_args(q, k, v, block.offs, block.vis, alpha, True, biased)["FLOOR_SCORES"]
+        for alpha, biased in ((0.3, False), (2.0, False), (0.3, True), (-1.5, False), (0.3, False))
+    ]
+    assert floors == [False, True, True, True, False]

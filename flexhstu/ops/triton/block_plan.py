@@ -7,7 +7,7 @@ head dims) are built on first use for each tile and cached in the object.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -18,12 +18,16 @@ from .config import Tile
 from .hulls import _plan_kernel, _split_list_kernel
 from .row_intervals import BIG, MODE_CAUSAL, MODE_FUNC
 
+_FUNC, _CAUSAL = int(MODE_FUNC), int(MODE_CAUSAL)
+
 
 @dataclass
 class Visibility:
     """How the kernels learn visibility: a func tensor, closed-form causal, or the closed-form fixed rule.
 
     ``sparse``: whether query blocks see few key blocks, which picks the kernels' tiles (``config.default_tiles``).
+    The fields are set once; the kernels' arguments made from them are kept (``kernel_args``, ``cached_args``),
+    since an eager call's host time is what small batches wait on.
     """
 
     mode: int
@@ -33,11 +37,12 @@ class Visibility:
     window: int = 0
     min_full: int = 0
     sparse: bool = False
+    _args: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def nfunc(self) -> int:
-        if self.mode == MODE_FUNC:
+        if self.mode == _FUNC:
             return self.func.shape[1]
-        return 1 if self.mode == MODE_CAUSAL else 5
+        return 1 if self.mode == _CAUSAL else 5
 
     def per_head(self) -> bool:
         f = self.func
@@ -48,7 +53,11 @@ class Visibility:
 
     def kernel_args(self, placeholder: torch.Tensor) -> dict:
         """Mask arguments shared by every kernel: ``func``, ``rule`` and their constexprs. ``placeholder``
-        stands in for an absent func or num_targets (never read): no allocation per call."""
+        stands in for an absent func or num_targets (never read): no allocation per call. The dict is kept
+        for the last placeholder: callers copy it, never change it."""
+        return self.cached_args(placeholder, (), lambda: self._kernel_args(placeholder))
+
+    def _kernel_args(self, placeholder: torch.Tensor) -> dict:
         f = self.func
         func = Func(placeholder, 0, 0, 0) if f is None else Func(f, f.stride(0) if self.per_head() else 0,
                                                                   f.stride(1), f.stride(2))
@@ -56,6 +65,19 @@ class Visibility:
         return dict(func=func, rule=RuleArgs(nt, self.contextual, self.window, self.min_full),
                     NFUNC=self.nfunc(), MODE=self.mode, HAS_TARGETS=self.num_targets is not None,
                     INTERVALS_POW2=self.intervals_pow2())
+
+    def cached_args(self, placeholder: torch.Tensor, key: tuple, build) -> dict:
+        """``build()``, made once for ``placeholder`` (the offsets the kernels follow) and ``key`` (what else the
+        arguments depend on) and kept while the placeholder stays the same tensor object: a dict the caller
+        copies, never changes."""
+        kept = self._args
+        if kept.get("placeholder") is not placeholder:
+            kept.clear()
+            kept["placeholder"] = placeholder
+        args = kept.get(key)
+        if args is None:
+            args = kept[key] = build()
+        return args
 
 
 @dataclass(frozen=True, eq=False)

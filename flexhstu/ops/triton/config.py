@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import NamedTuple
 
 
@@ -34,6 +35,7 @@ class Tiles(NamedTuple):
 _OVERRIDE: ContextVar[dict | None] = ContextVar("flexhstu_triton_tiles", default=None)
 
 
+@lru_cache(maxsize=64)
 def default_tiles(dim_qk: int, dim_v: int, interpreting: bool, sparse: bool = False, bias: bool = False) -> Tiles:
     """Tiles for head dims ``dim_qk``, ``dim_v`` (the padded, power-of-two dims of the kernels' tiles).
 

@@ -3,9 +3,8 @@ arguments, and ``visibility`` (the kernels' mask description from ``triton_hstu_
 
 from __future__ import annotations
 
-import os
-
 import torch
+from triton.runtime.jit import JITFunction
 
 from . import bias_tables
 from .args import jagged
@@ -39,8 +38,13 @@ def _workers(device: torch.device) -> int:
     return 2 * _SMS[device]
 
 
+_INTERPRETED = not isinstance(hstu_forward_kernel, JITFunction)
+"""Whether the kernels run in Triton's interpreter: decided when ``triton.jit`` made them, at import
+(``TRITON_INTERPRET=1``), so read from them rather than from the environment on every call."""
+
+
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return _INTERPRETED
 
 
 def _new_like(x: torch.Tensor, *shape: int) -> torch.Tensor:
@@ -65,11 +69,14 @@ def _attention_args(q, k, v, offs, vis: Visibility, alpha: float, interpreting: 
     (tanh.approx on the GPU; the interpreter has no inline PTX), the dot precision, and FLOOR_SCORES: with
     ``|alpha| > 1`` a finite ``q.k`` can overflow to -inf in ``alpha q.k``, and with a bias (``biased``: tables or
     a dense rab) a score can be -inf whatever alpha (a -inf entry hiding a pair), so the scores are floored
-    (``silu.finite_below``); with ``|alpha| <= 1`` and no bias they cannot, and the kernels skip that step."""
+    (``silu.finite_below``); with ``|alpha| <= 1`` and no bias they cannot, and the kernels skip that step.
+    All but Q, K, V and alpha are made once per mask and offsets (``Visibility.cached_args``)."""
     dqk, dv = q.shape[2], v.shape[2]
-    return dict(Q=jagged(q), K=jagged(k), V=jagged(v), OFFS=offs, alpha=alpha, DIM_QK=dqk, DIM_V=dv,
-                TILE_QK=tile_dim(dqk), TILE_V=tile_dim(dv), FAST_SIGMOID=not interpreting,
-                FLOOR_SCORES=abs(alpha) > 1.0 or biased, DOT_PRECISION=dot_precision(q.dtype), **vis.kernel_args(offs))
+    floor, precision = abs(alpha) > 1.0 or biased, dot_precision(q.dtype)
+    static = vis.cached_args(offs, ("attention", dqk, dv, interpreting, floor, precision), lambda: dict(
+        OFFS=offs, DIM_QK=dqk, DIM_V=dv, TILE_QK=tile_dim(dqk), TILE_V=tile_dim(dv), FAST_SIGMOID=not interpreting,
+        FLOOR_SCORES=floor, DOT_PRECISION=precision, **vis.kernel_args(offs)))
+    return dict(static, Q=jagged(q), K=jagged(k), V=jagged(v), alpha=alpha)
 
 
 def _scale_args(attn_scale: torch.Tensor | None, offs: torch.Tensor) -> dict:
@@ -165,13 +172,38 @@ def backward(dout, q, k, v, offs, vis: Visibility, alpha: float, out_scale: floa
         **args, **tq.launch(), **_bias_args(bias), **_rab_args(rab),
         DO=jagged(dout), DQ=jagged(dq), QTAB=qtab, n_flat=nqb, dq_scale=alpha * scale,
     )
+    dk, dv = _new_like(k), _new_like(v)
+    km = vis.cached_args(offs, ("key-major", tkv, args["DIM_QK"], args["DIM_V"], max_seq_len, nheads, interpreting),
+                         lambda: _key_major_args(plan, vis, tkv, max_seq_len, nheads, interpreting, q.device, args))
+    zero = km["zero_split_rows"]
+    if zero is not None:
+        _ZERO_SPLIT_ROWS.launch(zero["grid"], **zero["args"], DK=jagged(dk), DV=jagged(dv))
+    grads = {"BIAS_GRAD": True} if bias is not None and bias.args.dpos.numel() else {}
+    if rab is not None:
+        grads.update(_rab_args(rab))
+        if drab is not None:
+            shared = nheads > 1 and (drab.dim() == 3 or drab.shape[1] == 1)  # the heads' programs meet
+            grads.update(DRAB=rab_args(drab), RAB_GRAD=True, RAB_SHARED=shared)
+    for bias_kw in bias_passes(bias):
+        _DKDV.launch(km["grid"], **args, **km["args"], **bias_kw, **grads, DO=jagged(dout), DK=jagged(dk),
+                     DV=jagged(dv), dk_scale=alpha * scale, dv_scale=scale)
+    return dq, dk, dv
+
+
+def _key_major_args(plan: BlockPlan, vis: Visibility, tkv, max_seq_len: int, nheads: int, interpreting: bool,
+                    device: torch.device, args: dict) -> dict:
+    """The dK/dV launch's arguments that depend on the plan, the tile, ``max_seq_len`` and the heads only (made once
+    per plan and kept, ``Visibility.cached_args``): the key-major plan, the split list, the grid; and the zeroing of
+    the split key blocks' rows (None when nothing is split).
+
+    A key block's query range longer than ``chunk`` query blocks is cut into at most MAX_SPLIT pieces; its own
+    program takes the first, workers scheduled before every key block take the rest from a list built on the
+    device (``block_plan.SplitList``). ``max_seq_len`` only sizes the pieces: the last runs to the end of the range
+    whatever its length, and when no range can be longer than one piece nothing is split (and no launch outputs
+    left unzeroed; else only the rows of the split key blocks are zeroed, the others stored whole)."""
     # Key-major pass: its query blocks (BLOCK_M) and key blocks (BLOCK_N) index the plan.
     km = plan.key_major(tkv)
-    # A key block's query range longer than `chunk` query blocks is cut into at most MAX_SPLIT pieces; its own
-    # program takes the first, workers scheduled before every key block take the rest from a list built on the
-    # device (block_plan.SplitList). max_seq_len only sizes the pieces: the last runs to the end of the range
-    # whatever its length, and when no range can be longer than one piece nothing is split (and no launch
-    # outputs left unzeroed; else only the rows of the split key blocks are zeroed, the others stored whole).
+    offs = plan.offs
     hint = max(max_seq_len, 1)
     if interpreting:  # the offsets are on the host: a hint above the longest sequence is cut to it (it made most
         # programs empty, each a Python call in the interpreter); a smaller one is kept, as on the GPU
@@ -181,34 +213,21 @@ def backward(dout, q, k, v, offs, vis: Visibility, alpha: float, out_scale: floa
     chunk = 2 if interpreting else max(32, -(-q_blocks_max // max_split))
     if q_blocks_max > chunk:
         split = km.split_list(chunk, max_split)
-        n_workers = 3 if interpreting else _workers(q.device)
+        n_workers = 3 if interpreting else _workers(device)
     else:
         split, n_workers, chunk = None, 0, _NEVER_SPLIT
-    dk, dv = _new_like(k), _new_like(v)
+    zero = None
     if split is not None:
-        _ZERO_SPLIT_ROWS.launch(
-            (km.n_kblocks, nheads if vis.per_head() else 1),
-            OFFS=offs, KTAB=km.ktab, QLO=km.qlo, QHI=km.qhi, DK=jagged(dk), DV=jagged(dv), n_kblocks=km.n_kblocks,
-            n_heads=nheads, chunk=chunk, PER_HEAD=vis.per_head(), CAUSAL=vis.mode == _MODE_CAUSAL, BLOCK_M=tkv.block_m,
-            BLOCK_N=tkv.block_n, DIM_QK=args["DIM_QK"], DIM_V=args["DIM_V"], TILE_QK=args["TILE_QK"],
-            TILE_V=args["TILE_V"], num_warps=4)
+        zero = dict(grid=(km.n_kblocks, nheads if vis.per_head() else 1), args=dict(
+            OFFS=offs, KTAB=km.ktab, QLO=km.qlo, QHI=km.qhi, n_kblocks=km.n_kblocks, n_heads=nheads, chunk=chunk,
+            PER_HEAD=vis.per_head(), CAUSAL=vis.mode == _MODE_CAUSAL, BLOCK_M=tkv.block_m, BLOCK_N=tkv.block_n,
+            DIM_QK=args["DIM_QK"], DIM_V=args["DIM_V"], TILE_QK=args["TILE_QK"], TILE_V=args["TILE_V"], num_warps=4))
     lists = dict(ITEM_KB=split.kb, ITEM_LO=split.lo, ITEM_HI=split.hi, NITEMS=split.n, item_cap=split.cap) if split \
         else dict(ITEM_KB=km.ktab, ITEM_LO=km.ktab, ITEM_HI=km.ktab, NITEMS=km.ktab, item_cap=0)
-    grads = {"BIAS_GRAD": True} if bias is not None and bias.args.dpos.numel() else {}
-    if rab is not None:
-        grads.update(_rab_args(rab))
-        if drab is not None:
-            shared = nheads > 1 and (drab.dim() == 3 or drab.shape[1] == 1)  # the heads' programs meet
-            grads.update(DRAB=rab_args(drab), RAB_GRAD=True, RAB_SHARED=shared)
-    for bias_kw in bias_passes(bias):
-        _DKDV.launch(
-            ((n_workers + km.n_kblocks) * nheads,),
-            **args, **tkv.launch(), **bias_kw, **grads, **lists,
-            DO=jagged(dout), DK=jagged(dk), DV=jagged(dv), KTAB=km.ktab, BOUNDS=km.bounds, QLO=km.qlo, QHI=km.qhi,
-            n_workers=n_workers, n_heads=nheads, plan_head=1 if vis.per_head() else 0, n_qblocks=km.n_qblocks,
-            n_kblocks=km.n_kblocks, chunk=chunk, dk_scale=alpha * scale, dv_scale=scale,
-        )
-    return dq, dk, dv
+    return dict(grid=((n_workers + km.n_kblocks) * nheads,), zero_split_rows=zero, args=dict(
+        **tkv.launch(), **lists, KTAB=km.ktab, BOUNDS=km.bounds, QLO=km.qlo, QHI=km.qhi, n_workers=n_workers,
+        n_heads=nheads, plan_head=1 if vis.per_head() else 0, n_qblocks=km.n_qblocks, n_kblocks=km.n_kblocks,
+        chunk=chunk))
 
 
 # The modes as plain ints, converted once at import: a tl.constexpr does not compare under torch.compile's

@@ -195,7 +195,8 @@ def triton_hstu_mha(q, k, v, seq_offsets, *, func=None, num_targets=None, causal
                     contextual: int = 0, window: int = 0, min_full: int = 0,
                     alpha: float, out_scale: float, max_seq_len: int,
                     attn_scale: torch.Tensor | None = None, plan=None,
-                    rel_bias: RelativeBias | None = None, rab: torch.Tensor | None = None) -> torch.Tensor:
+                    rel_bias: RelativeBias | None = None, rab: torch.Tensor | None = None,
+                    plan_checked: bool = False) -> torch.Tensor:
     """Dispatch to the custom op. ``func`` given: the func decides; else causal or the fixed rule in closed form.
 
     q, k: ``(total, H, Dqk)``, v: ``(total, H, Dv)``, any strides (a non-unit last stride costs a copy);
@@ -213,6 +214,8 @@ def triton_hstu_mha(q, k, v, seq_offsets, *, func=None, num_targets=None, causal
     ``plan``: an ``AttnPlan`` from ``flexhstu.ops.plan.build_plan`` for these offsets and this mask, reused
     across calls (layers); checked against the call (host metadata only). Without it a plan is built per call.
     Under torch.compile the op builds its plan inside the graph (the plan is checked, then unused).
+    ``plan_checked``: the caller has checked the plan against this call already (``hstu_mha`` does, on its
+    own mask arguments) and the check is not repeated; nor are the head dims (``hstu_mha``'s capability check).
 
     ``max_seq_len`` is only a tuning hint (it sizes the split of long key-major ranges): any value,
     0 or smaller than the longest sequence included, gives the same result.
@@ -223,21 +226,22 @@ def triton_hstu_mha(q, k, v, seq_offsets, *, func=None, num_targets=None, causal
     N)`` or ``(B, 1 or H, N, N)`` with ``N = max_seq_len`` (checked by the caller, ``check_rab``), read per tile
     (``flexhstu.ops.triton.rab_tiles``), with a gradient when it requires one.
     """
-    for name, d in (("q.shape[2] (Dqk)", q.shape[2]), ("v.shape[2] (Dv)", v.shape[2])):
-        if not head_dim_supported(d):
-            raise bad_value(name, f"a head dim from {MIN_HEAD_DIM} to {MAX_HEAD_DIM} for the Triton kernels", d)
+    if not plan_checked:
+        for name, d in (("q.shape[2] (Dqk)", q.shape[2]), ("v.shape[2] (Dv)", v.shape[2])):
+            if not head_dim_supported(d):
+                raise bad_value(name, f"a head dim from {MIN_HEAD_DIM} to {MAX_HEAD_DIM} for the Triton kernels", d)
     if attn_scale is not None:
         _check_attn_scale(attn_scale, q.shape[0], q.device)
-    if plan is not None:
+    if plan is not None and not plan_checked:
         plan.check_triton_call(seq_offsets, q.shape[0], func=func, num_targets=num_targets,
                                causal_closed_form=causal_closed_form, contextual=contextual, window=window,
                                min_full=min_full)
     tables = (None, None, None) if rel_bias is None else tuple(rel_bias)
     if rab is not None and rab.stride(-1) != 1:  # the kernels read rows of it; any other layout is copied once
         rab = rab.contiguous()
-    # The kernels read offsets and num_targets as plain int64 / int arrays (no strides): made so here, once.
-    offs = seq_offsets.to(torch.int64).contiguous()
     if torch.compiler.is_compiling():
+        # The kernels read offsets and num_targets as plain int64 / int arrays (no strides): made so here, once.
+        offs = seq_offsets.to(torch.int64).contiguous()
         # The op builds its own block plan (and safe offsets) in the graph from the call's own mask: a plan
         # object is never traced (its tables are built lazily, outside any graph), it only picks the tiles.
         vis = visibility(func, num_targets, causal_closed_form, contextual, window, min_full,
@@ -245,8 +249,9 @@ def triton_hstu_mha(q, k, v, seq_offsets, *, func=None, num_targets=None, causal
         return hstu_mha_fwd(q, k, v, offs, vis.func, vis.num_targets, attn_scale, vis.mode, vis.contextual,
                             vis.window, vis.min_full, vis.sparse, alpha, out_scale, max_seq_len, *tables, rab)
     if plan is not None:
-        block = plan.block
+        block = plan.block  # its offsets are made int64 and contiguous once
     else:
+        offs = seq_offsets.to(torch.int64).contiguous()
         block = BlockPlan(offs, q.shape[0], visibility(func, num_targets, causal_closed_form, contextual, window,
                                                        min_full, max_seq_len=max_seq_len))
     vis = block.vis
