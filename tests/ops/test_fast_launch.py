@@ -149,3 +149,18 @@ def test_the_interpreters_kernels_are_launched_as_given():
     Launcher(Interpreted()).launch((2, 1), A=1)
     Launcher(Interpreted()).launch((2, 1), A=1)
     assert calls == [((2, 1), {"A": 1}), ((2, 1), {"A": 1})]
+
+
+@pytest.mark.parametrize("slot", ["launch_enter_hook", "launch_exit_hook"])
+def test_a_hook_assigned_rather_than_added(kernel, monkeypatch, slot):
+    # triton 3.6 keeps a chain in each slot, but a user may assign None (no hook: launched directly) or a function
+    # (a hook: Triton's path, which calls it).
+    launcher = Launcher(kernel.fn)
+    kw = dict(X=torch.zeros(8), n=32, scale=0.5, ROWS=4)
+    launcher.launch((1,), **kw)
+    monkeypatch.setattr(fast_launch.knobs.runtime, slot, None)
+    launcher.launch((1,), **kw)
+    assert _direct(kernel.launches[-1])
+    monkeypatch.setattr(fast_launch.knobs.runtime, slot, lambda metadata: None)
+    launcher.launch((1,), **kw)
+    assert not _direct(kernel.launches[-1])

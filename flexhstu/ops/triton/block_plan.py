@@ -7,7 +7,9 @@ head dims) are built on first use for each tile and cached in the object.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
 import triton
@@ -37,7 +39,7 @@ class Visibility:
     window: int = 0
     min_full: int = 0
     sparse: bool = False
-    _args: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _args: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def nfunc(self) -> int:
         if self.mode == _FUNC:
@@ -51,10 +53,10 @@ class Visibility:
     def intervals_pow2(self) -> int:
         return max(2, triton.next_power_of_2((self.nfunc() + 1) // 2))
 
-    def kernel_args(self, placeholder: torch.Tensor) -> dict:
+    def kernel_args(self, placeholder: torch.Tensor) -> Mapping:
         """Mask arguments shared by every kernel: ``func``, ``rule`` and their constexprs. ``placeholder``
-        stands in for an absent func or num_targets (never read): no allocation per call. The dict is kept
-        for the last placeholder: callers copy it, never change it."""
+        stands in for an absent func or num_targets (never read): no allocation per call. Kept for the last
+        placeholder, read-only."""
         return self.cached_args(placeholder, (), lambda: self._kernel_args(placeholder))
 
     def _kernel_args(self, placeholder: torch.Tensor) -> dict:
@@ -66,17 +68,19 @@ class Visibility:
                     NFUNC=self.nfunc(), MODE=self.mode, HAS_TARGETS=self.num_targets is not None,
                     INTERVALS_POW2=self.intervals_pow2())
 
-    def cached_args(self, placeholder: torch.Tensor, key: tuple, build) -> dict:
+    def cached_args(self, placeholder: torch.Tensor, key: tuple, build) -> Mapping:
         """``build()``, made once for ``placeholder`` (the offsets the kernels follow) and ``key`` (what else the
-        arguments depend on) and kept while the placeholder stays the same tensor object: a dict the caller
-        copies, never changes."""
+        arguments depend on) and kept while the placeholder stays the same tensor object, read-only (callers
+        copy it). A new placeholder swaps in a new store in one assignment, so a call never files its arguments
+        under another call's placeholder."""
         kept = self._args
-        if kept.get("placeholder") is not placeholder:
-            kept.clear()
-            kept["placeholder"] = placeholder
-        args = kept.get(key)
+        if kept is None or kept[0] is not placeholder:
+            kept = (placeholder, {})
+            self._args = kept
+        store = kept[1]
+        args = store.get(key)
         if args is None:
-            args = kept[key] = build()
+            args = store[key] = MappingProxyType(build())
         return args
 
 

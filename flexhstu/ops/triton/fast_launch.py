@@ -15,6 +15,7 @@ the compiled launcher 14; the dK/dV kernel's 83, of which 28, 3 and 18.
 from __future__ import annotations
 
 from triton import knobs
+from triton.knobs import HookChain
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction, compute_cache_key
 
@@ -35,8 +36,8 @@ class Launcher:
         if (
             not self._jit
             or type(grid) is not tuple
-            or rt.launch_enter_hook.calls
-            or rt.launch_exit_hook.calls
+            or not _no_hook(rt.launch_enter_hook)
+            or not _no_hook(rt.launch_exit_hook)
             or kernel.pre_run_hooks
         ):
             kernel[grid](**kwargs)
@@ -56,6 +57,12 @@ class Launcher:
         g2 = grid[2] if len(grid) > 2 else 1
         stream = driver.active.get_current_stream(device)
         run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata, None, None, None, *bound.values())
+
+
+def _no_hook(hook) -> bool:
+    """Whether a launch hook slot holds nothing to call: None (assigned) or an empty chain (triton 3.6's
+    default); a function assigned to it, or a chain with hooks added (a profiler's), is something."""
+    return hook is None or (type(hook) is HookChain and not hook.calls)
 
 
 def _globals_unchanged(kernel: JITFunction) -> bool:
