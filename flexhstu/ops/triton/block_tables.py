@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .fast_launch import Launcher
+
 
 @triton.jit
 def first_block(OFFS, seq, BLOCK: tl.constexpr):
@@ -66,6 +68,9 @@ def _safe_offsets_kernel(OFFS, OUT, n, total, CHUNK: tl.constexpr):
         run = tl.max(x, axis=0)
 
 
+_SAFE_OFFSETS, _BLOCK_TABLE = Launcher(_safe_offsets_kernel), Launcher(_block_table_kernel)
+
+
 def safe_offsets(offs: torch.Tensor, total: int) -> torch.Tensor:
     """int64 ``(B + 1,)`` offsets that every kernel can follow without leaving its buffers, whatever ``offs``
     (int64, contiguous, ``B >= 1``) holds: equal to it when it is valid (0 first, ``total`` last,
@@ -74,7 +79,7 @@ def safe_offsets(offs: torch.Tensor, total: int) -> torch.Tensor:
     CUDA this keeps bad ones from reading or writing out of bounds (one launch)."""
     n = offs.numel()
     out = torch.empty_like(offs)
-    _safe_offsets_kernel[(1,)](offs, out, n, total, CHUNK=min(1024, triton.next_power_of_2(n)))
+    _SAFE_OFFSETS.launch((1,), OFFS=offs, OUT=out, n=n, total=total, CHUNK=min(1024, triton.next_power_of_2(n)))
     return out
 
 
@@ -87,7 +92,7 @@ def block_table(offs: torch.Tensor, total: int, block: int) -> tuple[torch.Tenso
     nseq = offs.numel() - 1
     bound = total // block + nseq
     tab = torch.empty(bound, dtype=torch.int32, device=offs.device)
-    _block_table_kernel[(nseq,)](offs, tab, BLOCK=block, CHUNK=256)
+    _BLOCK_TABLE.launch((nseq,), OFFS=offs, TAB=tab, BLOCK=block, CHUNK=256)
     return tab, bound
 
 
