@@ -100,7 +100,7 @@ def calls(lengths: list[int], mask: str):
     return fwd, fwd_bwd
 
 
-def host_us(fn, runs: int = 11, per_run: int = 300) -> float:
+def host_us(fn, runs: int, per_run: int) -> float:
     """The fastest of ``runs`` runs (this machine's other work only adds), the collector off."""
     times = []
     gc.collect()
@@ -121,6 +121,8 @@ def main() -> None:
     p.add_argument("--only", default="", help="comma-separated configuration names (prefixes)")
     p.add_argument("--profile", choices=["fwd", "fwd+bwd"], help="also a cProfile of 300 calls, by own time")
     p.add_argument("--top", type=int, default=30)
+    p.add_argument("--runs", type=int, default=11, help="timed runs (the fastest is shown)")
+    p.add_argument("--per-run", type=int, default=300, help="calls per timed run")
     a = p.parse_args()
     names = [n for n in CONFIGS if not a.only or any(n.startswith(o.strip()) for o in a.only.split(","))]
     for name in names:
@@ -130,8 +132,9 @@ def main() -> None:
         LAUNCHES.clear()
         fwd_bwd()
         launches = ", ".join(LAUNCHES)
+        t_fwd, t_fwd_bwd = (host_us(fn, a.runs, a.per_run) for fn in (fwd, fwd_bwd))
         print(
-            f"== {name}: host us per call: fwd {host_us(fwd):.1f}, fwd+bwd {host_us(fwd_bwd):.1f} "
+            f"== {name}: host us per call: fwd {t_fwd:.1f}, fwd+bwd {t_fwd_bwd:.1f} "
             f"(launches of a fwd+bwd: {launches})",
             flush=True,
         )
