@@ -59,11 +59,9 @@ _DRIVER = types.SimpleNamespace(
 jit.JITFunction._do_compile = _do_compile
 jit.driver = _DRIVER
 
+import host_profile  # noqa: E402  (beside this script: the same calls)
 import torch  # noqa: E402
 
-import flexhstu  # noqa: E402
-from flexhstu import Kernel, masks  # noqa: E402
-from flexhstu.jagged import offsets_from_lengths  # noqa: E402
 from flexhstu.ops.triton import fast_launch  # noqa: E402
 
 fast_launch.driver = _DRIVER
@@ -80,24 +78,8 @@ CONFIGS = {
 
 
 def calls(lengths: list[int], mask: str):
-    offs = offsets_from_lengths(lengths)
-    total, n = sum(lengths), max(lengths)
-    kw = {
-        "causal": {},
-        "window": {"max_attn_len": 256},
-        "sla": {"attn_func": masks.sla(offs, 256, 32, total=total)},
-    }[mask]
-    plan = flexhstu.build_plan(offs, total=total, max_seq_len=n, sparse=mask != "causal", **kw)
-    q, k, v = (torch.randn(total, 1, 16, dtype=torch.float16, requires_grad=True) for _ in range(3))
-    do = torch.randn_like(q)
-
-    def fwd():
-        return flexhstu.hstu_mha(n, None, q, k, v, offs, kernel=Kernel.TRITON, attn_plan=plan, **kw)
-
-    def fwd_bwd():
-        return torch.autograd.grad(fwd(), (q, k, v), do)
-
-    return fwd, fwd_bwd
+    """``host_profile.calls`` on the CPU, small tensors."""
+    return host_profile.calls(lengths, mask, device="cpu", dtype=torch.float16, heads=1, dim=16)
 
 
 def host_us(fn, runs: int, per_run: int) -> float:

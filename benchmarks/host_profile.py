@@ -38,8 +38,9 @@ CONFIGS = {
 }
 
 
-def calls(lengths: list[int], mask: str):
-    offs = offsets_from_lengths(lengths, device="cuda")
+def calls(lengths: list[int], mask: str, device="cuda", dtype=torch.bfloat16, heads: int = 4, dim: int = 128):
+    """An eager forward and forward+backward of ``hstu_mha`` on the mask, with its plan built once."""
+    offs = offsets_from_lengths(lengths, device=device)
     total, n = sum(lengths), max(lengths)
     kw = {
         "causal": {},
@@ -47,7 +48,7 @@ def calls(lengths: list[int], mask: str):
         "sla": {"attn_func": masks.sla(offs, 256, 32, total=total)},
     }[mask]
     plan = flexhstu.build_plan(offs, total=total, max_seq_len=n, sparse=mask != "causal", **kw)
-    q, k, v = (torch.randn(total, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(total, heads, dim, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
     do = torch.randn_like(q)
 
     def fwd():
