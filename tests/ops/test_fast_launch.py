@@ -164,3 +164,16 @@ def test_a_hook_assigned_rather_than_added(kernel, monkeypatch, slot):
     monkeypatch.setattr(fast_launch.knobs.runtime, slot, lambda metadata: None)
     launcher.launch((1,), **kw)
     assert not _direct(kernel.launches[-1])
+
+
+def test_a_replaced_run_sees_every_launch(kernel, monkeypatch):
+    # A tool that intercepts launches by replacing JITFunction.run (benchmarks/compile_check.py compiles for sm_90
+    # instead of launching) must get every launch, warm ones included, before the driver is asked for anything.
+    launcher = Launcher(kernel.fn)
+    kw = dict(X=torch.zeros(8), n=32, scale=0.5, ROWS=4)
+    launcher.launch((1,), **kw)
+    seen = []
+    monkeypatch.setattr(jit.JITFunction, "run", lambda self, *a, grid, warmup, **k: seen.append((grid, k["n"])))
+    monkeypatch.setattr(fast_launch, "driver", None)  # asking it would fail, as on a machine without a GPU
+    launcher.launch((2,), **kw)
+    assert seen == [((2,), 32)] and len(kernel.launches) == 1

@@ -6,7 +6,8 @@ and has the launcher call the (empty, in triton 3.6 never None) launch hooks. ``
 ``run`` does up to finding the compiled kernel, with Triton's own binder and cache key, so the kernel it
 launches is the one Triton would launch, and then calls the compiled launcher directly, with no metadata and
 no hooks. Where that is not the same thing (no compiled kernel yet, a launch hook or pre-run hook installed,
-a changed global the kernel reads, a grid that is not a tuple, Triton's interpreter), it calls
+a changed global the kernel reads, a grid that is not a tuple, Triton's interpreter, ``JITFunction.run``
+replaced by a tool that intercepts launches, as ``benchmarks/compile_check.py`` does), it calls
 ``kernel[grid](...)`` instead. Host time of one launch on an H100 machine (``benchmarks/host_profile.py
 --launches``): the forward kernel's ``kernel[grid](...)`` 51 us, of which the binder 18, the cache key 2 and
 the compiled launcher 14; the dK/dV kernel's 83, of which 28, 3 and 18.
@@ -20,6 +21,7 @@ from triton.runtime import driver
 from triton.runtime.jit import JITFunction, compute_cache_key
 
 _MISSING = object()
+_TRITON_RUN = JITFunction.run  # what kernel[grid] calls; a tool that replaces it must see every launch
 
 
 class Launcher:
@@ -35,6 +37,7 @@ class Launcher:
         rt = knobs.runtime
         if (
             not self._jit
+            or JITFunction.run is not _TRITON_RUN
             or type(grid) is not tuple
             or not _no_hook(rt.launch_enter_hook)
             or not _no_hook(rt.launch_exit_hook)
