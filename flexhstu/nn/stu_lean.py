@@ -15,10 +15,16 @@ dh)`` matmul and norm in the backward.
 Both functions also avoid the concatenations a plain autograd graph makes: the projection's output
 is handed on as four views (so their gradients arrive separately and are never concatenated) and
 the output projection's weight gradient is taken piece by piece from ``silu(u)``, ``a`` and ``y``.
+Where a gradient is the sum of matmuls (``d LN(x)`` from the four pieces; ``d silu(u)`` and ``d a``, each a
+pointwise term plus a matmul) the matmuls add into it in place (``addmm_``): an out-of-place ``addmm`` of a
+full-size matrix first copies that matrix into its result (cuBLAS adds into its output), which was five
+``(total, h dh)`` copies a layer and a buffer more at the backward's peak (H100 profile of the STU step,
+``benchmarks/profile_stu.py``: 20 device-to-device copies, 0.9 ms of a 13 ms window step).
 
-The forward and backward bodies are plain functions of tensors; with a ``torch.compile`` backend
-each is compiled on its own (no autograd inside, so the compiler fuses the pointwise work around the
-matmuls but cannot change what is saved).
+The rest of the forward and backward is plain functions of tensors (``Bodies``); with a ``torch.compile``
+backend each is compiled on its own (no autograd inside, so the compiler fuses the pointwise work around
+the matmuls but cannot change what is saved). The in-place matmuls stay outside them: compiled, an in-place
+update of an intermediate is made out of place again.
 """
 
 from __future__ import annotations
@@ -66,13 +72,19 @@ def rebuild_head(x, norm_weight, norm_bias, weight, bias, eps: float, first: int
 
 
 def norm_linear_backward(
-    grads: list[torch.Tensor], x, mean, rstd, norm_weight, norm_bias, weight, eps: float, sizes: list[int]
+    grads: list[torch.Tensor], x, mean, rstd, norm_weight, norm_bias, weight, eps: float, sizes: list[int], tail
 ):
-    """Gradients of ``norm_linear_forward`` from one gradient per output piece (``sizes`` columns each)."""
+    """Gradients of ``norm_linear_forward`` from one gradient per output piece (``sizes`` columns each); ``tail``
+    is ``norm_linear_backward_tail`` (compiled or not)."""
     w_parts = torch.split(weight, sizes, dim=0)
     d_xn = grads[0] @ w_parts[0]
     for g, w in zip(grads[1:], w_parts[1:]):
-        d_xn = torch.addmm(d_xn, g, w)
+        d_xn.addmm_(g, w)  # in place: accumulate, never copy (module docstring)
+    return tail(d_xn, grads, x, mean, rstd, norm_weight, norm_bias, eps)
+
+
+def norm_linear_backward_tail(d_xn, grads: list[torch.Tensor], x, mean, rstd, norm_weight, norm_bias, eps: float):
+    """``(dx, d norm weight, d norm bias, d weight, d bias)`` from ``d LN(x)`` and the pieces' gradients."""
     d_weight = _norm_linear_weight_grad(grads, x, norm_weight, norm_bias, eps)
     d_bias = torch.cat([g.sum(0) for g in grads])
     dx, d_norm_weight, d_norm_bias = torch.ops.aten.native_layer_norm_backward(
@@ -96,44 +108,58 @@ def gated_output_forward(x, u, a, norm_weight, norm_bias, weight, bias, eps: flo
     return out, mean, rstd
 
 
-def gated_output_backward(g, u, a, mean, rstd, norm_weight, norm_bias, weight, eps: float, keep, p: float):
-    """Gradients of ``gated_output_forward`` for u, a, the norm's weight and bias, and the linear's weight and bias."""
-    d_u, d_an, d_weight = _through_gate(g, u, a, norm_weight, norm_bias, weight, eps, keep, p)
-    da, d_norm_weight, d_norm_bias = torch.ops.aten.native_layer_norm_backward(
-        d_an, a, [u.shape[-1]], mean, rstd, norm_weight, norm_bias, [True, True, True]
-    )
-    w_a = torch.split(weight, u.shape[-1], dim=1)[1]
-    return d_u, torch.addmm(da, g, w_a), d_norm_weight, d_norm_bias, d_weight, g.sum(0)
+def gated_output_backward(g, u, a, mean, rstd, norm_weight, norm_bias, weight, eps: float, keep, p: float, parts):
+    """Gradients of ``gated_output_forward`` for u, a, the norm's weight and bias, and the linear's weight and bias.
+    ``parts``: the ``Bodies`` whose ``gate_backward`` and ``gate_tail`` do the pointwise work (compiled or not); the
+    matmuls that add into a full-size gradient run here, in place (module docstring)."""
+    w_u, w_a, w_y = torch.split(weight, u.shape[-1], dim=1)
+    d_u_in, d_an, d_weight = parts.gate_backward(g, g @ w_y, u, a, norm_weight, norm_bias, eps, keep, p)
+    d_u_in.addmm_(g, w_u)
+    d_u, da, d_norm_weight, d_norm_bias = parts.gate_tail(d_u_in, u, d_an, a, mean, rstd, norm_weight, norm_bias)
+    da.addmm_(g, w_a)
+    return d_u, da, d_norm_weight, d_norm_bias, d_weight, g.sum(0)
 
 
-def _through_gate(g, u, a, norm_weight, norm_bias, weight, eps: float, keep, p: float):
-    # (d u, d LN(a), d weight): silu(u) and LN(a) are rebuilt here and die on return.
+def gate_backward(g, d_y, u, a, norm_weight, norm_bias, eps: float, keep, p: float):
+    """From ``d_y = g @ w_y``: (the part of d silu(u) that comes through the gate, d LN(a), d weight). silu(u),
+    LN(a) and y are rebuilt here and die on return."""
     n = u.shape[-1]
-    w_u, _, w_y = torch.split(weight, n, dim=1)
     su = F.silu(u)
     an = torch.native_layer_norm(a, [n], norm_weight, norm_bias, eps)[0]
     d_weight = torch.cat([g.t() @ su, g.t() @ a, g.t() @ gate(su, an, keep, p)], dim=1)
-    d_y = g @ w_y
     if keep is not None:
         d_y = d_y * keep / (1 - p)
-    d_u = torch.ops.aten.silu_backward(torch.addmm(d_y * an, g, w_u), u)
-    return d_u, d_y * su, d_weight
+    return d_y * an, d_y * su, d_weight
+
+
+def gate_tail(d_su, u, d_an, a, mean, rstd, norm_weight, norm_bias):
+    """``(d u, d a through the norm, d norm weight, d norm bias)`` from d silu(u) and d LN(a)."""
+    da, d_norm_weight, d_norm_bias = torch.ops.aten.native_layer_norm_backward(
+        d_an, a, [u.shape[-1]], mean, rstd, norm_weight, norm_bias, [True, True, True]
+    )
+    return torch.ops.aten.silu_backward(d_su, u), da, d_norm_weight, d_norm_bias
 
 
 class Bodies(NamedTuple):
+    """The pieces of the two functions that run compiled or not: everything but the matmuls that add into a
+    full-size gradient (``norm_linear_backward`` and ``gated_output_backward`` run those in place around them)."""
+
     norm_linear_forward: object
-    norm_linear_backward: object
+    norm_linear_backward_tail: object
     gated_output_forward: object
-    gated_output_backward: object
+    gate_backward: object
+    gate_tail: object
     rebuild_head: object
 
 
-EAGER = Bodies(norm_linear_forward, norm_linear_backward, gated_output_forward, gated_output_backward, rebuild_head)
+EAGER = Bodies(
+    norm_linear_forward, norm_linear_backward_tail, gated_output_forward, gate_backward, gate_tail, rebuild_head
+)
 
 
 @functools.cache
 def compiled_bodies(backend: str) -> Bodies:
-    """The four bodies under ``torch.compile(backend=backend)``, compiled once per process and backend."""
+    """The bodies under ``torch.compile(backend=backend)``, compiled once per process and backend."""
     return Bodies(*(torch.compile(f, backend=backend) for f in EAGER))
 
 
@@ -171,8 +197,17 @@ class NormLinear(torch.autograd.Function):
         # Pieces with no gradient arrive as zeros (autograd materialises them for Functions by default).
         x, mean, rstd, norm_weight, norm_bias, weight = ctx.saved_tensors
         return (
-            *ctx.bodies.norm_linear_backward(
-                list(grads), x, mean, rstd, norm_weight, norm_bias, weight, ctx.eps, ctx.sizes
+            *norm_linear_backward(
+                list(grads),
+                x,
+                mean,
+                rstd,
+                norm_weight,
+                norm_bias,
+                weight,
+                ctx.eps,
+                ctx.sizes,
+                ctx.bodies.norm_linear_backward_tail,
             ),
             None,
             None,
@@ -222,7 +257,7 @@ class GatedOutput(torch.autograd.Function):
         u, a, mean, rstd, norm_weight, norm_bias, weight, keep, *inputs = ctx.saved_tensors
         if ctx.rebuild:  # u is the first a.shape[-1] columns of the layer input's projection
             u = ctx.bodies.rebuild_head(u, inputs[0], inputs[1], inputs[2], inputs[3], ctx.in_eps, a.shape[-1])
-        grads = ctx.bodies.gated_output_backward(
-            g, u, a, mean, rstd, norm_weight, norm_bias, weight, ctx.eps, keep, ctx.p
+        grads = gated_output_backward(
+            g, u, a, mean, rstd, norm_weight, norm_bias, weight, ctx.eps, keep, ctx.p, ctx.bodies
         )
         return g, *grads, None, None, None, None, None

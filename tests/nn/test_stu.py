@@ -9,6 +9,7 @@ import pytest
 import torch
 from rules import offsets_from
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from flexhstu import Kernel, build_plan, masks
 from flexhstu.nn import STULayer, STULayerConfig, STUStack
@@ -63,6 +64,29 @@ def test_lean_layer_rebuilding_u_gives_the_plain_output_and_gradients(dropout, c
     kw = dict(compile=True, compile_backend="aot_eager") if compile else dict(compile=False)
     lean = _step(_stack(dropout, recompute=True, recompute_u=True, **kw))
     _assert_same_step(lean, plain)
+
+
+class _OutOfPlaceAddmm(TorchDispatchMode):
+    """Records the shape of the matrix every out-of-place ``addmm`` adds into (a 1-D bias is not a matrix)."""
+
+    def __init__(self):
+        super().__init__()
+        self.added_into: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.addmm.default and args[0].dim() == 2:
+            self.added_into.append(tuple(args[0].shape))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("recompute_u", [False, True])
+def test_lean_backward_adds_matmuls_into_its_gradients_in_place(recompute_u):
+    # An out-of-place addmm into a full-size matrix copies that matrix first (five (total, h dh) copies a layer on
+    # the GPU before the bodies added in place); the forward's biases are vectors, so no addmm of a matrix remains.
+    stack = _stack(0.2, recompute=True, recompute_u=recompute_u, compile=False)
+    with _OutOfPlaceAddmm() as mode:
+        _, grads = _step(stack)
+    assert mode.added_into == [] and all(torch.isfinite(g).all() for g in grads)
 
 
 def test_dropout_draws_differ_between_seeds():
