@@ -22,6 +22,7 @@ from ..masks.rules import FixedRule
 from .capability import triton_unsupported_reason
 from .hstu_mha import _check_func_alone, _check_qkv, _check_same_device, _checked_rule
 from .kernel import Kernel
+from .plan import DeltaPlan
 from .pytorch.delta_reference import pytorch_delta_hstu_mha
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -59,6 +60,7 @@ def delta_hstu_mha(
     attn_func: torch.Tensor | None = None,
     scaling_seqlen: int = -1,
     kv_lengths: torch.Tensor | None = None,
+    delta_plan: DeltaPlan | None = None,
 ) -> torch.Tensor:
     """HSTU attention for a subset of each sequence's rows (docs/design.md, section 9). Forward only.
 
@@ -87,6 +89,13 @@ def delta_hstu_mha(
       (``L_b`` above), the rest of the slot is ignored. Serving keeps a buffer per
       layer with each history followed by room for new rows, and writes each
       micro-batch's rows there instead of copying the history every call.
+    - ``delta_plan``: a ``flexhstu.DeltaPlan`` shared by the calls on the same
+      ``seq_offsets`` and ``q_offsets`` tensors (the layers of a stack on one
+      micro-batch): the first Triton call keeps the tables it makes from the
+      offsets (three small launches) and the others reuse them. A call on other
+      offsets or rows makes its own and keeps those instead, so results never
+      depend on it. Without ``q_offsets`` each call makes new ones, and nothing
+      is shared.
 
     On CPU tensors (outside torch.compile) bad offsets, ``q_start`` or
     ``num_targets`` raise; on CUDA they are not read (no sync), and a query row
@@ -116,6 +125,8 @@ def delta_hstu_mha(
     _check_query_layout(q_offsets, q_start, batch)
     if kv_lengths is not None:
         _check_per_sequence(kv_lengths, "kv_lengths", batch, "rows used in each slot")
+    if delta_plan is not None and not isinstance(delta_plan, DeltaPlan):
+        raise bad_type("delta_plan", "None or a flexhstu.DeltaPlan", type(delta_plan).__name__)
     _check_same_device(
         delta_q,
         k=k,
@@ -154,7 +165,7 @@ def delta_hstu_mha(
         scaling = float(max_seq_len) or 1.0
     mask = attn_func if attn_func is not None else rule
     if _choose_backend(kernel, delta_q, v, mask) == Kernel.TRITON:
-        return _run_triton(delta_q, k, v, seq_offsets, q_offsets, q_start, mask, alpha, scaling, kv_lengths)
+        return _run_triton(delta_q, k, v, seq_offsets, q_offsets, q_start, mask, alpha, scaling, kv_lengths, delta_plan)
     if kv_lengths is not None:  # the reference reads the used rows, packed (one sync: it is the reference)
         seq_offsets, rows = _packed_rows(seq_offsets, kv_lengths)
         k, v = k[rows], v[rows]
@@ -291,11 +302,21 @@ def _choose_backend(kernel: Kernel | str, delta_q: torch.Tensor, v: torch.Tensor
 
 
 def _run_triton(
-    delta_q, k, v, seq_offsets, q_offsets, q_start, mask, alpha: float, scaling: float, kv_lengths=None
+    delta_q,
+    k,
+    v,
+    seq_offsets,
+    q_offsets,
+    q_start,
+    mask,
+    alpha: float,
+    scaling: float,
+    kv_lengths=None,
+    plan: DeltaPlan | None = None,
 ) -> torch.Tensor:
     from .triton.delta_op import triton_delta_hstu_mha
 
-    common = dict(alpha=alpha, out_scale=1.0 / scaling, kv_lengths=kv_lengths)
+    common = dict(alpha=alpha, out_scale=1.0 / scaling, kv_lengths=kv_lengths, plan=plan)
     if isinstance(mask, torch.Tensor):
         return triton_delta_hstu_mha(delta_q, k, v, seq_offsets, q_offsets, q_start, func=mask, **common)
     plain = mask.num_targets is None and mask.max_attn_len == 0 and mask.contextual_seq_len == 0

@@ -10,6 +10,9 @@ kernels it holds the block tables and, per dK/dV tile (which follows the head di
 built on first use on the GPU with no host-device sync, so building and using it can be captured in a
 CUDA graph. The PyTorch reference needs no plan and ignores it after the check; building one never
 imports Triton, so a model builds its plan the same way on any device.
+
+``DeltaPlan`` does the same for ``delta_hstu_mha``, one micro-batch at a time: it keeps the tables its Triton
+kernel makes from the offsets for the next call on the same offsets.
 """
 
 from __future__ import annotations
@@ -295,3 +298,36 @@ def build_plan(
             as_span("min_full_attn_seq_len", min_full_attn_seq_len),
         )
     return AttnPlan(seq_offsets, total, max_seq_len, mask, sparse)
+
+
+class DeltaPlan:
+    """What the Triton delta kernel prepares from a call's offsets, kept for the next call on the same offsets.
+
+    Before its kernel, a ``delta_hstu_mha`` call launches two safe-offsets kernels and a block-table kernel
+    (``ops.triton.delta_op.delta_tables``). Those depend on the key and query offsets, the key and query row
+    counts and the kernel's query tile, never on q, k, v, the mask, ``q_start`` or ``kv_lengths``: every layer
+    of an STU stack run on one micro-batch would launch the same three, and with a plan shared by them
+    (``delta_hstu_mha(..., delta_plan=plan)``) only the first does. Unlike an ``AttnPlan`` it is never refused:
+    it keeps what it last built, filed under everything that went into it (the two offsets tensors themselves
+    and their in-place version counters, the row counts, the tile's rows), and a call that differs in any of
+    them builds again and replaces it. Tensors made under ``torch.inference_mode`` have no version counter:
+    change their values in place and pass a new plan. Empty plans are cheap: make one per micro-batch. The
+    PyTorch reference and traced calls (torch.compile, torch.export) do not use it.
+    """
+
+    def __init__(self):
+        self._kept: tuple | None = None
+
+    def prepared(self, tensors: tuple[torch.Tensor, ...], sizes: tuple, build) -> tuple:
+        """``build()``, or what it returned for the same ``tensors`` (the same objects, unchanged in place since)
+        and the same ``sizes``. A new entry replaces the last in one assignment, whole."""
+        versions = tuple(_version(t) for t in tensors)
+        kept = self._kept
+        if (
+            kept is None
+            or len(kept[0]) != len(tensors)
+            or any(a is not b for a, b in zip(kept[0], tensors))
+            or kept[1:3] != (versions, sizes)
+        ):
+            kept = self._kept = (tensors, versions, sizes, build())
+        return kept[3]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from launches import counted_launches
 from rules import offsets_from
 
 import flexhstu
@@ -234,3 +235,81 @@ def test_offsets_that_break_the_rules_keep_the_delta_kernel_inside_its_buffers(b
         max_seq_len=200,
     )
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+TABLES = {"_safe_offsets_kernel": 2, "_block_table_kernel": 1}  # what a call makes from its offsets
+
+
+def test_calls_sharing_a_delta_plan_make_the_offsets_tables_once_and_give_the_same_rows():
+    # As the layers of a stack on one micro-batch: other q, k, v and masks, the same offsets.
+    q, k, v, offs, rows, q_offsets, q_start = batch()
+    layers = [(1.0, {}), (0.5, RULES["fixed"]), (2.0, mask_keywords("onerank", offs, rows)[1])]
+
+    def run(plan):
+        return [
+            flexhstu.delta_hstu_mha(
+                80, 0.3, s * q[rows], s * k, v / s, offs, q_offsets=q_offsets, q_start=q_start,
+                kernel=Kernel.TRITON, delta_plan=plan, **kw,
+            )
+            for s, kw in layers
+        ]  # fmt: skip
+
+    with counted_launches() as alone:
+        want = run(None)
+    with counted_launches() as shared:
+        got = run(flexhstu.DeltaPlan())
+    assert alone == {name: 3 * n for name, n in TABLES.items()} | {"delta_forward_kernel": 3}
+    assert shared == TABLES | {"delta_forward_kernel": 3}
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+def test_a_delta_plan_builds_again_for_other_offsets_rows_or_tile():
+    from flexhstu.ops.triton.config import Tile, tile_override
+
+    q, k, v, offs, rows, q_offsets, q_start = batch()
+    plan = flexhstu.DeltaPlan()
+
+    def tables_made(k=k, v=v, offs=offs, q_offsets=q_offsets):
+        """Tables the call with ``plan`` makes (0 or 1 each); its rows equal a call's without a plan, bit for bit.
+        Unchecked (the CUDA path): the safe copies of offsets that do not fit depend on the rows."""
+        args = (q[rows], k, v, offs, q_offsets, q_start)
+        with counted_launches() as n:
+            got = triton_delta_hstu_mha(*args, alpha=0.3, out_scale=1 / 80, plan=plan)
+        assert torch.equal(got, triton_delta_hstu_mha(*args, alpha=0.3, out_scale=1 / 80))
+        made = n["_block_table_kernel"]
+        assert n == {name: made * c for name, c in TABLES.items() if made} | {"delta_forward_kernel": 1}
+        return made
+
+    assert tables_made() == 1 and tables_made() == 0
+    assert tables_made(offs=offs.clone()) == 1  # another micro-batch's offsets: other tensors, maybe equal values
+    other = offsets_from([40, 5, 65, 9])  # the same rows, other users
+    assert tables_made(offs=other) == 1 and tables_made(offs=other) == 0
+    assert tables_made(offs=other, q_offsets=offsets_from([20, 0, 60, 9])) == 1
+    more = torch.cat([k, k[:11]]), torch.cat([v, v[:11]])  # 11 rows past the offsets' end: the last copy differs
+    assert tables_made(*more, offs=other) == 1 and tables_made(*more, offs=other) == 0
+    assert tables_made(offs=other) == 1
+    with tile_override(forward=Tile(16, 16, 4, 1)):  # another query tile: another block table
+        assert tables_made(offs=other) == 1
+    assert tables_made(offs=other) == 1
+    other.copy_(offsets_from([40, 10, 60, 9]))  # changed in place: its version counter moved
+    assert tables_made(offs=other) == 1 and tables_made(offs=other) == 0
+
+
+def test_a_delta_plan_and_given_tables_are_checked():
+    q, k, v, offs, rows, q_offsets, q_start = batch()
+    args = (80, 0.3, q[rows], k, v, offs)
+    with pytest.raises(TypeError, match=r"delta_plan: expected None or a flexhstu.DeltaPlan, got AttnPlan"):
+        flexhstu.delta_hstu_mha(
+            *args, q_offsets=q_offsets, q_start=q_start, delta_plan=flexhstu.build_plan(offs, total=119, max_seq_len=80)
+        )
+    from flexhstu.ops.triton.delta_op import delta_tables
+    from flexhstu.ops.triton.launch import _MODE_CAUSAL
+
+    op = torch.ops.flexhstu.delta_hstu_mha_fwd
+    fixed = (None, None, _MODE_CAUSAL, 0, 0, 0, 0.3, 1 / 80, None)  # func, num_targets, mode, ..., kv_lengths
+    with pytest.raises(ValueError, match=r"q_table: expected all three \(delta_tables\) or none, got None, None"):
+        op(q[rows], k, v, offs, q_offsets, q_start, *fixed, None, None, torch.zeros(7, dtype=torch.int32))
+    tables = delta_tables(offs, q_offsets, 119, 89, 16)  # for 16-row query blocks, the kernel's are 32
+    with pytest.raises(ValueError, match=r"q_table: expected 6 entries \(the query block table of 32-row blocks"):
+        op(q[rows], k, v, offs, q_offsets, q_start, *fixed, *tables)
