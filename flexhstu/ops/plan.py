@@ -307,12 +307,13 @@ class DeltaPlan:
     (``ops.triton.delta_op.delta_tables``). Those depend on the key and query offsets, the key and query row
     counts and the kernel's query tile, never on q, k, v, the mask, ``q_start`` or ``kv_lengths``: every layer
     of an STU stack run on one micro-batch would launch the same three, and with a plan shared by them
-    (``delta_hstu_mha(..., delta_plan=plan)``) only the first does. Unlike an ``AttnPlan`` it is never refused:
-    it keeps what it last built, filed under everything that went into it (the two offsets tensors themselves
-    and their in-place version counters, the row counts, the tile's rows), and a call that differs in any of
-    them builds again and replaces it. Tensors made under ``torch.inference_mode`` have no version counter:
-    change their values in place and pass a new plan. Empty plans are cheap: make one per micro-batch. The
-    PyTorch reference and traced calls (torch.compile, torch.export) do not use it.
+    (``delta_hstu_mha(..., delta_plan=plan)``; ``serving.delta_layout`` makes one a micro-batch) only the first
+    does. Unlike an ``AttnPlan`` it is never refused: it keeps what it last built, filed under everything that
+    went into it (the two offsets tensors themselves and their in-place version counters, the row counts, the
+    tile's rows), and a call that differs in any of them builds again and replaces it. Tensors made under
+    ``torch.inference_mode`` have no version counter: change their values in place and pass a new plan. Empty
+    plans are cheap: make one per micro-batch. The PyTorch reference and traced calls (torch.compile,
+    torch.export) do not use it.
     """
 
     def __init__(self):

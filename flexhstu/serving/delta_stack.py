@@ -20,6 +20,7 @@ from ..jagged import check_offsets_meta, check_offsets_values, row_coords
 from ..nn import STULayer, STUStack
 from ..nn.stu import check_rows
 from ..ops.delta import delta_hstu_mha
+from ..ops.plan import DeltaPlan
 from .cache import HistoryCache, JaggedHistory, UserHistory
 
 MaskFn = Callable[[torch.Tensor, int], dict]
@@ -34,7 +35,8 @@ class DeltaLayout(NamedTuple):
     user and ``q_start (B,)`` (the history lengths) the position of each user's first new row. With room (the
     history's spare rows, ``JaggedHistory``), ``slot_offsets (B + 1,)`` jag the slots ``[history | room]`` (the
     last slot runs to the buffer's end), ``slot_rows (T_n,)`` are the new rows' places there and ``kv_lengths
-    (B,)`` the rows in use."""
+    (B,)`` the rows in use. ``plan`` (``delta_layout`` makes one) is shared by the layers' delta calls, which
+    follow the same offsets: the first makes the kernel's tables from them and the others reuse those."""
 
     kv_offsets: torch.Tensor
     hist_rows: torch.Tensor | None
@@ -46,6 +48,7 @@ class DeltaLayout(NamedTuple):
     slot_offsets: torch.Tensor | None = None
     slot_rows: torch.Tensor | None = None
     kv_lengths: torch.Tensor | None = None
+    plan: DeltaPlan | None = None
 
 
 class NewRowsMask(NamedTuple):
@@ -84,7 +87,14 @@ def delta_layout(
     seq_n = row_coords(new_offsets, total_new)[0]
     new_rows = torch.arange(total_new, device=users.device) + hist_offsets[seq_n + 1]
     layout = DeltaLayout(
-        hist_offsets + new_offsets, None, new_rows, new_offsets, seq_n, hist_len, total_hist + total_new
+        hist_offsets + new_offsets,
+        None,
+        new_rows,
+        new_offsets,
+        seq_n,
+        hist_len,
+        total_hist + total_new,
+        plan=DeltaPlan(),
     )
     if not room:
         seq_h = row_coords(hist_offsets, total_hist)[0]
@@ -135,6 +145,7 @@ def layer_delta(
         kernel=cfg.kernel,
         q_offsets=layout.new_offsets,
         q_start=layout.q_start,
+        delta_plan=layout.plan,
         **where,
         **mask_kwargs,
     ).reshape(-1, h * dh)

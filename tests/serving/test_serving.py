@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from launches import counted_launches
 from rules import offsets_from
 
-from flexhstu import masks, serving
+from flexhstu import DeltaPlan, masks, serving
 from flexhstu.models import HSTURetrieval, OneRankModel, SeqBatch
 from flexhstu.nn import STULayerConfig, STUStack
 from flexhstu.serving import HistoryCache
@@ -220,6 +221,38 @@ def test_cached_scores_through_the_triton_delta_kernel_equal_the_reference_full_
     model.cache_histories(cache, ["a", "b", "c", "d"], hist, times, hoffs)
     got = model.score_cached(cache, ["a", "b", "c", "d"], cands, coffs, micro_batch=2)
     torch.testing.assert_close(got, full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("task_tokens", [True, False])  # an attn_func of the new rows, or num_targets
+def test_a_micro_batch_makes_the_delta_tables_once_for_all_its_layers(monkeypatch, task_tokens):
+    # Each layer's delta call made the safe offsets and the query block table again (3 launches before its kernel),
+    # though every layer follows the same offsets: the layout's DeltaPlan lets the first make them for all four.
+    torch.manual_seed(0)
+    model = OneRankModel(50, dim=32, layers=4, heads=2, max_len=40, task_tokens=task_tokens, kernel="triton").eval()
+    hist, times, hoffs, _, _ = ranking_request()
+    cache = HistoryCache(4, 32)
+    model.cache_histories(cache, ["a", "b", "c", "d"], hist, times, hoffs)
+    history = cache.gather(["a", "b", "c", "d"], room=2 * model.group_size)
+    batches = [
+        (torch.tensor([1, 2, 3, 4]), torch.tensor([1, 1, 2, 0])),
+        (torch.tensor([5, 6, 7, 8]), torch.tensor([2, 0, 0, 2])),  # as many rows: other offsets alone
+    ]
+
+    def score(plans):
+        monkeypatch.setattr(serving.delta_stack, "DeltaPlan", plans)
+        with torch.no_grad(), counted_launches() as launches:
+            scores = [model.score_micro_batch(history, items, counts, 32) for items, counts in batches]
+        return scores, launches
+
+    per_layer, before = score(lambda: None)  # no plan: every layer makes its own tables, as before
+    shared, after = score(DeltaPlan)
+    one = DeltaPlan()
+    misused, rebuilt = score(lambda: one)  # one plan for both micro-batches: the second's offsets make their own
+    tables, kernel = {"_safe_offsets_kernel": 2, "_block_table_kernel": 1}, {"delta_forward_kernel": 1}
+    assert before == {name: 2 * 4 * n for name, n in (tables | kernel).items()}  # 16 launches a micro-batch
+    assert after == rebuilt == {name: 2 * n for name, n in tables.items()} | {"delta_forward_kernel": 8}  # 7
+    for want, got, again in zip(per_layer, shared, misused):
+        assert torch.equal(got, want) and torch.equal(again, want)
 
 
 def test_cached_serving_refuses_a_model_with_relative_attention_bias():
