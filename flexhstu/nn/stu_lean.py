@@ -15,11 +15,12 @@ dh)`` matmul and norm in the backward.
 Both functions also avoid the concatenations a plain autograd graph makes: the projection's output
 is handed on as four views (so their gradients arrive separately and are never concatenated) and
 the output projection's weight gradient is taken piece by piece from ``silu(u)``, ``a`` and ``y``.
-Where a gradient is the sum of matmuls (``d LN(x)`` from the four pieces; ``d silu(u)`` and ``d a``, each a
-pointwise term plus a matmul) the matmuls add into it in place (``addmm_``): an out-of-place ``addmm`` of a
-full-size matrix first copies that matrix into its result (cuBLAS adds into its output), which was five
-``(total, h dh)`` copies a layer and a buffer more at the backward's peak (H100 profile of the STU step,
-``benchmarks/profile_stu.py``: 20 device-to-device copies, 0.9 ms of a 13 ms window step).
+Where a gradient is the sum of matmuls (``d LN(x)`` from the four pieces; ``d silu(u)`` and ``d a``,
+each a pointwise term plus a matmul) the matmuls add into it in place (``addmm_``), and silu's backward
+then overwrites ``d silu(u)`` with ``d u``: an out-of-place ``addmm`` of a full-size matrix first copies
+that matrix into its result (cuBLAS adds into its output), which was five ``(total, h dh)`` copies a layer
+and a buffer more at the backward's peak (H100 profile of the STU step, ``benchmarks/profile_stu.py``: 20
+device-to-device copies, 0.9 ms of a 13 ms window step).
 
 The rest of the forward and backward is plain functions of tensors (``Bodies``); with a ``torch.compile``
 backend each is compiled on its own (no autograd inside, so the compiler fuses the pointwise work around
@@ -110,34 +111,31 @@ def gated_output_forward(x, u, a, norm_weight, norm_bias, weight, bias, eps: flo
 
 def gated_output_backward(g, u, a, mean, rstd, norm_weight, norm_bias, weight, eps: float, keep, p: float, parts):
     """Gradients of ``gated_output_forward`` for u, a, the norm's weight and bias, and the linear's weight and bias.
-    ``parts``: the ``Bodies`` whose ``gate_backward`` and ``gate_tail`` do the pointwise work (compiled or not); the
-    matmuls that add into a full-size gradient run here, in place (module docstring)."""
+    ``parts``: the ``Bodies`` whose ``gate_backward`` does the pointwise work (compiled or not); the matmuls that add
+    into a full-size gradient run here, in place, and so does silu's backward (module docstring)."""
     w_u, w_a, w_y = torch.split(weight, u.shape[-1], dim=1)
-    d_u_in, d_an, d_weight = parts.gate_backward(g, g @ w_y, u, a, norm_weight, norm_bias, eps, keep, p)
-    d_u_in.addmm_(g, w_u)
-    d_u, da, d_norm_weight, d_norm_bias = parts.gate_tail(d_u_in, u, d_an, a, mean, rstd, norm_weight, norm_bias)
+    d_su, da, d_norm_weight, d_norm_bias, d_weight = parts.gate_backward(
+        g, g @ w_y, u, a, mean, rstd, norm_weight, norm_bias, eps, keep, p
+    )
+    d_su.addmm_(g, w_u)
+    d_u = torch.ops.aten.silu_backward.grad_input(d_su, u, grad_input=d_su)
     da.addmm_(g, w_a)
     return d_u, da, d_norm_weight, d_norm_bias, d_weight, g.sum(0)
 
 
-def gate_backward(g, d_y, u, a, norm_weight, norm_bias, eps: float, keep, p: float):
-    """From ``d_y = g @ w_y``: (the part of d silu(u) that comes through the gate, d LN(a), d weight). silu(u),
-    LN(a) and y are rebuilt here and die on return."""
+def gate_backward(g, d_y, u, a, mean, rstd, norm_weight, norm_bias, eps: float, keep, p: float):
+    """From ``d_y = g @ w_y``: (the part of d silu(u) that comes through the gate, the part of d a that comes through
+    the norm, d norm weight, d norm bias, d weight). silu(u), LN(a) and y are rebuilt here and die on return."""
     n = u.shape[-1]
     su = F.silu(u)
     an = torch.native_layer_norm(a, [n], norm_weight, norm_bias, eps)[0]
     d_weight = torch.cat([g.t() @ su, g.t() @ a, g.t() @ gate(su, an, keep, p)], dim=1)
     if keep is not None:
         d_y = d_y * keep / (1 - p)
-    return d_y * an, d_y * su, d_weight
-
-
-def gate_tail(d_su, u, d_an, a, mean, rstd, norm_weight, norm_bias):
-    """``(d u, d a through the norm, d norm weight, d norm bias)`` from d silu(u) and d LN(a)."""
     da, d_norm_weight, d_norm_bias = torch.ops.aten.native_layer_norm_backward(
-        d_an, a, [u.shape[-1]], mean, rstd, norm_weight, norm_bias, [True, True, True]
+        d_y * su, a, [n], mean, rstd, norm_weight, norm_bias, [True, True, True]
     )
-    return torch.ops.aten.silu_backward(d_su, u), da, d_norm_weight, d_norm_bias
+    return d_y * an, da, d_norm_weight, d_norm_bias, d_weight
 
 
 class Bodies(NamedTuple):
@@ -148,13 +146,10 @@ class Bodies(NamedTuple):
     norm_linear_backward_tail: object
     gated_output_forward: object
     gate_backward: object
-    gate_tail: object
     rebuild_head: object
 
 
-EAGER = Bodies(
-    norm_linear_forward, norm_linear_backward_tail, gated_output_forward, gate_backward, gate_tail, rebuild_head
-)
+EAGER = Bodies(norm_linear_forward, norm_linear_backward_tail, gated_output_forward, gate_backward, rebuild_head)
 
 
 @functools.cache
