@@ -111,31 +111,44 @@ def gated_output_forward(x, u, a, norm_weight, norm_bias, weight, bias, eps: flo
 
 def gated_output_backward(g, u, a, mean, rstd, norm_weight, norm_bias, weight, eps: float, keep, p: float, parts):
     """Gradients of ``gated_output_forward`` for u, a, the norm's weight and bias, and the linear's weight and bias.
-    ``parts``: the ``Bodies`` whose ``gate_backward`` does the pointwise work (compiled or not); the matmuls that add
-    into a full-size gradient run here, in place, and so does silu's backward (module docstring)."""
+    ``parts``: the ``Bodies`` that do the rest (compiled or not). The linear's gradients come first, so that
+    silu(u) and y, which they read, are gone before the full-size gradients are made; the matmuls that add into
+    those run here, in place (module docstring)."""
     w_u, w_a, w_y = torch.split(weight, u.shape[-1], dim=1)
-    d_su, da, d_norm_weight, d_norm_bias, d_weight = parts.gate_backward(
-        g, g @ w_y, u, a, mean, rstd, norm_weight, norm_bias, eps, keep, p
+    d_weight, d_bias = parts.gate_weight_grads(g, u, a, norm_weight, norm_bias, eps, keep, p)
+    d_su, da, d_norm_weight, d_norm_bias = parts.gate_backward(
+        g @ w_y, u, a, mean, rstd, norm_weight, norm_bias, keep, p
     )
     d_su.addmm_(g, w_u)
-    d_u = torch.ops.aten.silu_backward.grad_input(d_su, u, grad_input=d_su)
+    parts.silu_backward_(d_su, u)
     da.addmm_(g, w_a)
-    return d_u, da, d_norm_weight, d_norm_bias, d_weight, g.sum(0)
+    return d_su, da, d_norm_weight, d_norm_bias, d_weight, d_bias
 
 
-def gate_backward(g, d_y, u, a, mean, rstd, norm_weight, norm_bias, eps: float, keep, p: float):
-    """From ``d_y = g @ w_y``: (the part of d silu(u) that comes through the gate, the part of d a that comes through
-    the norm, d norm weight, d norm bias, d weight). silu(u), LN(a) and y are rebuilt here and die on return."""
-    n = u.shape[-1]
+def gate_weight_grads(g, u, a, norm_weight, norm_bias, eps: float, keep, p: float):
+    """The output linear's weight and bias gradients: ``g^T [silu(u), a, y]`` piece by piece, and ``g``'s column
+    sums. silu(u), LN(a) and y are rebuilt here and die on return."""
     su = F.silu(u)
-    an = torch.native_layer_norm(a, [n], norm_weight, norm_bias, eps)[0]
-    d_weight = torch.cat([g.t() @ su, g.t() @ a, g.t() @ gate(su, an, keep, p)], dim=1)
+    an = torch.native_layer_norm(a, [u.shape[-1]], norm_weight, norm_bias, eps)[0]
+    return torch.cat([g.t() @ su, g.t() @ a, g.t() @ gate(su, an, keep, p)], dim=1), g.sum(0)
+
+
+def gate_backward(d_y, u, a, mean, rstd, norm_weight, norm_bias, keep, p: float):
+    """From ``d_y = g @ w_y``: (the part of d silu(u) that comes through the gate, the part of d a that comes through
+    the norm, d norm weight, d norm bias). Pointwise but for the norm's row sums: LN(a) from the saved statistics,
+    silu(u) and d LN(a) are never written out."""
     if keep is not None:
         d_y = d_y * keep / (1 - p)
+    an = ((a - mean) * rstd * norm_weight + norm_bias).to(a.dtype)  # as native_layer_norm rounds it
     da, d_norm_weight, d_norm_bias = torch.ops.aten.native_layer_norm_backward(
-        d_y * su, a, [n], mean, rstd, norm_weight, norm_bias, [True, True, True]
+        d_y * F.silu(u), a, [u.shape[-1]], mean, rstd, norm_weight, norm_bias, [True, True, True]
     )
-    return d_y * an, da, d_norm_weight, d_norm_bias, d_weight
+    return d_y * an, da, d_norm_weight, d_norm_bias
+
+
+def silu_backward_(d_su, u) -> None:
+    """``d_su`` becomes ``d u`` (silu's backward, written over its input)."""
+    torch.ops.aten.silu_backward.grad_input(d_su, u, grad_input=d_su)
 
 
 class Bodies(NamedTuple):
@@ -145,11 +158,21 @@ class Bodies(NamedTuple):
     norm_linear_forward: object
     norm_linear_backward_tail: object
     gated_output_forward: object
+    gate_weight_grads: object
     gate_backward: object
+    silu_backward_: object
     rebuild_head: object
 
 
-EAGER = Bodies(norm_linear_forward, norm_linear_backward_tail, gated_output_forward, gate_backward, rebuild_head)
+EAGER = Bodies(
+    norm_linear_forward,
+    norm_linear_backward_tail,
+    gated_output_forward,
+    gate_weight_grads,
+    gate_backward,
+    silu_backward_,
+    rebuild_head,
+)
 
 
 @functools.cache

@@ -198,6 +198,29 @@ def test_a_stack_without_layers_and_bf16_layers_with_float32_norms_still_run():
     assert stack(x.bfloat16(), offs, 64).dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("float32_norms", [False, True])
+@pytest.mark.parametrize("compile", [False, True])
+def test_lean_layer_in_bf16_gives_the_plain_gradients_in_the_parameters_dtypes(compile, float32_norms):
+    # The lean backward mixes bf16 rows with float32 norm statistics: every gradient must come back in its
+    # parameter's dtype and equal the plain body's to bf16 rounding.
+    kw = dict(compile=True, compile_backend="aot_eager") if compile else dict(compile=False)
+    steps = []
+    for lean in (False, True):
+        stack = _stack(0.2, recompute=lean, recompute_u=lean, **(kw if lean else dict(compile=False))).bfloat16()
+        if float32_norms:
+            for layer in stack.layers:
+                layer.norm.float()
+                layer.attn_norm.float()
+        offs = offsets_from(LENGTHS)
+        x = torch.randn(sum(LENGTHS), DIM, generator=torch.Generator().manual_seed(1)).bfloat16().requires_grad_()
+        torch.manual_seed(7)
+        out = stack(x, offs, max(LENGTHS))
+        grads = torch.autograd.grad(out.float().square().sum(), [x, *stack.parameters()])
+        assert [g.dtype for g in grads] == [x.dtype] + [q.dtype for q in stack.parameters()]
+        steps.append((out, [g.float() for g in grads]))
+    _assert_same_step((steps[1][0].float(), steps[1][1]), (steps[0][0].float(), steps[0][1]), rtol=3e-2)
+
+
 def test_rows_of_another_dtype_run_under_autocast():
     stack, offs = _stack(0.0, num_layers=1), offsets_from(LENGTHS)
     x = torch.randn(sum(LENGTHS), DIM)
