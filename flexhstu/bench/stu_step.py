@@ -10,7 +10,8 @@ parameters and the mask included (*peak*); and that peak less what was allocated
 
 Variants (``STULayerConfig`` fields): ``eager`` plain autograd; ``lean`` recompute; ``compiled`` the
 plain body under torch.compile; ``lean+compiled`` recompute with compiled bodies; ``default`` the
-config's defaults (on CUDA: lean+compiled); ``default+recompute_u`` the defaults with u rebuilt in the backward.
+config's defaults (on CUDA: lean+compiled, u rebuilt in the backward); ``default+keep_u`` the defaults with u kept
+for the backward (``recompute_u=False``).
 
 Before it runs, the benchmark bounds the memory of its largest step from the sizes (``step_bytes``) and
 refuses, naming the sizes to lower, what the device has no room for; while it runs, a line on stderr
@@ -48,7 +49,7 @@ VARIANTS = {
     "compiled": dict(recompute=False, compile=True),
     "lean+compiled": dict(recompute=True, compile=True),
     "default": {},
-    "default+recompute_u": dict(recompute_u=True),
+    "default+keep_u": dict(recompute_u=False),
 }
 SUITE = [("causal", "fixed"), ("window", "fixed"), ("sla", "fixed"), ("causal", "jagged")]
 

@@ -23,12 +23,13 @@ class STULayerConfig:
 
     ``recompute``: the lean body (``flexhstu.nn.stu_lean``), which saves x, uvqk, the attention output
     and the norm statistics and rebuilds the rest in the backward; same forward, gradients equal to
-    rounding. ``recompute_u`` (with ``recompute``): the lean body keeps the layer input rather than ``u`` and
-    rebuilds u in the backward (one more norm and quarter of the projection): ``total * num_heads * hidden_dim``
-    elements less held per layer, about 2-3% more step time (H100, B16 S4096, 4 layers of 512: peak 2.17 ->
-    1.99 GiB). ``compile``: fuse the body's memory-bound steps with ``torch.compile(backend=
-    compile_backend)``: with ``recompute`` the lean functions' forward and backward bodies are compiled
-    (what is saved stays as designed), without it the whole plain body is. ``None`` (the default)
+    rounding. ``recompute_u`` (with ``recompute``; ``None``, the default, follows ``recompute``): the lean body
+    keeps the layer input rather than ``u`` and rebuilds u in the backward (one more norm and quarter of the
+    projection): ``total * num_heads * hidden_dim`` elements less held per layer for about 2% more step time
+    (H100, B16 S4096, 4 layers of 512: peak 2.17 -> 1.99 GiB; benchmarks/RESULTS.md). ``compile``: fuse the
+    body's memory-bound steps with ``torch.compile(backend=compile_backend)``: with ``recompute`` the lean
+    functions' forward and backward bodies are compiled (what is saved stays as designed), without it the whole
+    plain body is. ``None`` (the default)
     compiles for CUDA inputs only: on the CPU, compiling costs more than it saves for the small
     models trained there. The attention is ``hstu_mha`` in every case.
 
@@ -44,7 +45,7 @@ class STULayerConfig:
     dropout: float = 0.1
     kernel: Kernel = Kernel.AUTO
     recompute: bool = True
-    recompute_u: bool = False
+    recompute_u: bool | None = None  # None: as recompute
     compile: bool | None = None
     compile_backend: str = "inductor"
     rel_bias: bool = False
@@ -65,8 +66,10 @@ class STULayerConfig:
             raise bad_value("kernel", f"one of {[k.value for k in Kernel]}", repr(self.kernel)) from None
         if not isinstance(self.recompute, bool):
             raise bad_type("recompute", "a bool", type(self.recompute).__name__)
+        if self.recompute_u is None:
+            self.recompute_u = self.recompute
         if not isinstance(self.recompute_u, bool):
-            raise bad_type("recompute_u", "a bool", type(self.recompute_u).__name__)
+            raise bad_type("recompute_u", "None (as recompute) or a bool", type(self.recompute_u).__name__)
         if self.recompute_u and not self.recompute:
             raise bad_value("recompute_u", "False without recompute (only the lean body rebuilds u)", True)
         if self.compile is not None and not isinstance(self.compile, bool):

@@ -134,7 +134,7 @@ def test_default_compiles_for_cuda_inputs_only():
         ("dropout", 1.0, "dropout: expected a probability in [0, 1), got 1.0"),
         ("embedding_dim", 0, "embedding_dim: expected a positive int, got 0"),
         ("recompute", "yes", "recompute: expected a bool, got str"),
-        ("recompute_u", 1, "recompute_u: expected a bool, got int"),
+        ("recompute_u", 1, "recompute_u: expected None (as recompute) or a bool, got int"),
         ("compile", "auto", "compile: expected None (compile on CUDA only) or a bool, got str"),
         # Checked when the config is made: a string passes float() and breaks the first forward, an unknown kernel too.
         ("dropout", "0.1", "dropout: expected a real number, got str"),
@@ -151,6 +151,12 @@ def test_recompute_u_without_the_lean_body_is_named():
     with pytest.raises(ValueError) as err:
         STULayerConfig(recompute=False, recompute_u=True)
     assert str(err.value) == "recompute_u: expected False without recompute (only the lean body rebuilds u), got True"
+
+
+def test_u_is_rebuilt_by_default_with_the_lean_body_only():
+    assert STULayerConfig().recompute_u and STULayerConfig(recompute=True).recompute_u
+    assert not STULayerConfig(recompute=False).recompute_u
+    assert not STULayerConfig(recompute_u=False).recompute_u
 
 
 @pytest.mark.parametrize(

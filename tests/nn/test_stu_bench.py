@@ -45,7 +45,7 @@ TINY = [
 def test_suite_writes_one_row_per_configuration_and_variant(tmp_path, capsys):
     out = tmp_path / "rows.json"
     # The compiled variants are the next test's (compiling is slow on the CPU).
-    variants = ["eager", "lean", "default", "default+recompute_u"]
+    variants = ["eager", "lean", "default", "default+keep_u"]
     assert stu_step.main(TINY + ["--suite", "--variants", *variants, "--json", str(out)]) == 0
     rows = json.loads(out.read_text())
     configs = [f"{m} {k}" for m, k in stu_step.SUITE]
