@@ -46,12 +46,16 @@ failures: list[str] = []
 SASS_DIR = sys.argv[sys.argv.index("--sass") + 1] if "--sass" in sys.argv else None
 
 
-def _resources(cubin: bytes) -> tuple[int, int]:
-    """(registers, stack bytes) of the kernel in ``cubin``; ptxas spills to the stack."""
+def _cuobjdump(cubin: bytes, flag: str) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        return subprocess.run([CUOBJDUMP, flag, f.name], capture_output=True, text=True).stdout
+
+
+def _resources(cubin: bytes) -> tuple[int, int]:
+    """(registers, stack bytes) of the kernel in ``cubin``; ptxas spills to the stack."""
+    text = _cuobjdump(cubin, "--dump-resource-usage")
     return int(re.search(r"REG:(\d+)", text).group(1)), int(re.search(r"STACK:(\d+)", text).group(1))
 
 
@@ -82,7 +86,8 @@ def compile_instead_of_launch(self, *args, grid, warmup, **kwargs):
         os.makedirs(SASS_DIR, exist_ok=True)
         name = re.sub(r"[^A-Za-z0-9_.=-]+", "_", f"{len(seen):03d} {label}")[:150]
         with open(os.path.join(SASS_DIR, name + ".sass"), "w") as f:
-            f.write(kernel.asm.get("sass", ""))
+            # cuobjdump's own listing: Triton's asm["sass"] stops at the first 5-digit address (4096 instructions).
+            f.write(_cuobjdump(kernel.asm["cubin"], "-sass"))
     return None
 
 
