@@ -48,15 +48,18 @@ def test_every_layer_owns_a_bias_and_its_tables_get_gradients_in_the_lean_and_pl
     for recompute in (True, False):
         stack = _stack(recompute)
         out = stack(x, offs, max(LENGTHS), ts)
+        # A fixed weighting, not out.square(): the sum of squares of a LayerNorm's output is nearly constant, so its
+        # gradients are mostly cancellation and differ between bodies that round differently.
+        weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
         grads = torch.autograd.grad(
-            out.square().sum(),
+            (out * weights).sum(),
             [layer.rel_bias.ts_w for layer in stack.layers] + [layer.rel_bias.pos_w for layer in stack.layers],
         )
         assert all(g.abs().sum() > 0 for g in grads)
         outs[recompute] = out, grads
     torch.testing.assert_close(outs[True][0], outs[False][0], rtol=1e-5, atol=1e-5)
     for a, b in zip(outs[True][1], outs[False][1]):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max()))
     assert len({id(layer.rel_bias) for layer in _stack(True).layers}) == 2  # one per layer, as published
 
 
