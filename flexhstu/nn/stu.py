@@ -21,8 +21,8 @@ class STULayerConfig:
     """Sizes and execution of an STU layer. Keyword-only: the generative-recommenders config orders its
     fields differently (``hidden_dim`` before ``attention_dim``), so a positional call could swap them.
 
-    ``recompute``: the lean body (``flexhstu.nn.stu_lean``), which saves x, uvqk, the attention output
-    and the norm statistics and rebuilds the rest in the backward; same forward, gradients equal to
+    ``recompute``: the lean body (``flexhstu.nn.stu_lean``), which saves x, v, q, k (uvqk when u is kept),
+    the attention output and the norm statistics and rebuilds the rest in the backward; same forward, gradients equal to
     rounding. ``recompute_u`` (with ``recompute``; ``None``, the default, follows ``recompute``): the lean body
     keeps the layer input rather than ``u`` and rebuilds u in the backward (one more norm and quarter of the
     projection): ``total * num_heads * hidden_dim`` elements less held per layer for about 2% more step time
@@ -52,6 +52,11 @@ class STULayerConfig:
     rel_bias_max_len: int = 0  # the position table covers relative positions up to +-(rel_bias_max_len - 1)
     rel_bias_buckets: int = 128
 
+    @property
+    def rebuilds_u(self) -> bool:
+        """Whether the lean body rebuilds u in the backward: ``recompute_u``, or ``recompute`` when it is None."""
+        return self.recompute if self.recompute_u is None else self.recompute_u
+
     def __post_init__(self):
         for name in ("embedding_dim", "num_heads", "attention_dim", "hidden_dim"):
             val = getattr(self, name)
@@ -66,9 +71,9 @@ class STULayerConfig:
             raise bad_value("kernel", f"one of {[k.value for k in Kernel]}", repr(self.kernel)) from None
         if not isinstance(self.recompute, bool):
             raise bad_type("recompute", "a bool", type(self.recompute).__name__)
-        if self.recompute_u is None:
-            self.recompute_u = self.recompute
-        if not isinstance(self.recompute_u, bool):
+        # None stays None (resolved by rebuilds_u): replace(cfg, recompute=False) of a default config must not
+        # carry a resolved True into a config without the lean body.
+        if self.recompute_u is not None and not isinstance(self.recompute_u, bool):
             raise bad_type("recompute_u", "None (as recompute) or a bool", type(self.recompute_u).__name__)
         if self.recompute_u and not self.recompute:
             raise bad_value("recompute_u", "False without recompute (only the lean body rebuilds u)", True)
@@ -186,7 +191,7 @@ class STULayer(nn.Module):
                 self.norm.eps,
                 sizes,
                 bodies,
-                cfg.recompute_u,
+                cfg.rebuilds_u,
             )
         else:
             u, v, q, k = torch.split(self.uvqk(self.norm(x)), sizes, dim=-1)
@@ -215,7 +220,7 @@ class STULayer(nn.Module):
                 p,
                 bodies,
                 (self.norm.weight, self.norm.bias, self.norm.eps, self.uvqk.weight, self.uvqk.bias)
-                if cfg.recompute_u
+                if cfg.rebuilds_u
                 else None,
             )
         su = F.silu(u)
@@ -284,12 +289,23 @@ class STUStack(nn.Module):
             mask_kwargs = {**mask_kwargs, "attn_scale": attn_scale}
         for layer in self.layers:
             x = layer(x, seq_offsets, max_seq_len, timestamps, attn_plan=attn_plan, **mask_kwargs)
-        if self.layers and self.layers[0].compiles(x):
+        if self.layers and self.layers[0].compiles(x) and _plain_layer_norm(self.norm):
             # Compiled with the layers: eager LayerNorm's weight and bias gradients were 0.28 ms of a 13 ms window
             # step (H100, B16 S4096, 4 layers of 512: one slow column reduction, benchmarks/profile_stu.py).
             norm = _compiled_layer_norm(self.layers[0].cfg.compile_backend)
             return norm(x, self.norm.weight, self.norm.bias, self.norm.eps)
         return self.norm(x)
+
+
+def _plain_layer_norm(norm: nn.Module) -> bool:
+    """Whether ``norm`` is the stack's own ``nn.LayerNorm`` with weight and bias and no hooks, which the compiled
+    function may stand in for (a replaced module or a hook must run as the user set it)."""
+    return (
+        type(norm) is nn.LayerNorm
+        and norm.weight is not None
+        and norm.bias is not None
+        and not (norm._forward_hooks or norm._forward_pre_hooks or norm._backward_hooks or norm._backward_pre_hooks)
+    )
 
 
 def _layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """The STU layer body with recomputation: autograd functions that save only what is dear to rebuild.
 
 Per layer the backward keeps ``x (total, D)``, ``uvqk (total, 2 h dh + 2 h da)`` (which the attention
-keeps alive anyway: q, k and v are views of it), the attention output ``a (total, h dh)``, the two
-layer norms' statistics ``(total, 1)`` and, with dropout, the keep-mask as bool ``(total, h dh)``.
+keeps alive anyway: q, k and v are views of it; with ``recompute_u``, the default, v, q and k only), the
+attention output ``a (total, h dh)``, the two layer norms' statistics ``(total, 1)`` and, with dropout, the
+keep-mask as bool ``(total, h dh)``.
 Everything else (LN(x), silu(u), LN(a), y, the concatenation ``[u, a, y]``) is pointwise in those and
 is rebuilt in the backward, which costs less than writing it out in the forward and reading it back.
 
@@ -18,7 +19,7 @@ the output projection's weight gradient is taken piece by piece from ``silu(u)``
 Where a gradient is the sum of matmuls (``d LN(x)`` from the four pieces; ``d silu(u)`` and ``d a``,
 each a pointwise term plus a matmul) the matmuls add into it in place (``addmm_``), and silu's backward
 then overwrites ``d silu(u)`` with ``d u``: an out-of-place ``addmm`` of a full-size matrix first copies
-that matrix into its result (cuBLAS adds into its output), which was five ``(total, h dh)`` copies a layer
+that matrix into its result (cuBLAS adds into its output), which was five full-size copies a layer
 and a buffer more at the backward's peak (H100 profile of the STU step, ``benchmarks/profile_stu.py``: 20
 device-to-device copies, 0.9 ms of a 13 ms window step).
 
@@ -117,7 +118,7 @@ def gated_output_backward(g, u, a, mean, rstd, norm_weight, norm_bias, weight, e
     w_u, w_a, w_y = torch.split(weight, u.shape[-1], dim=1)
     d_weight, d_bias = parts.gate_weight_grads(g, u, a, norm_weight, norm_bias, eps, keep, p)
     d_su, da, d_norm_weight, d_norm_bias = parts.gate_backward(
-        g @ w_y, u, a, mean, rstd, norm_weight, norm_bias, keep, p
+        g @ w_y, u, a, mean, rstd, norm_weight, norm_bias, eps, keep, p
     )
     d_su.addmm_(g, w_u)
     parts.silu_backward_(d_su, u)
@@ -133,13 +134,13 @@ def gate_weight_grads(g, u, a, norm_weight, norm_bias, eps: float, keep, p: floa
     return torch.cat([g.t() @ su, g.t() @ a, g.t() @ gate(su, an, keep, p)], dim=1), g.sum(0)
 
 
-def gate_backward(d_y, u, a, mean, rstd, norm_weight, norm_bias, keep, p: float):
+def gate_backward(d_y, u, a, mean, rstd, norm_weight, norm_bias, eps: float, keep, p: float):
     """From ``d_y = g @ w_y``: (the part of d silu(u) that comes through the gate, the part of d a that comes through
-    the norm, d norm weight, d norm bias). Pointwise but for the norm's row sums: LN(a) from the saved statistics,
-    silu(u) and d LN(a) are never written out."""
+    the norm, d norm weight, d norm bias). Pointwise but for the norm's row sums: LN(a) (rebuilt as the forward made
+    it), silu(u) and d LN(a) are never written out when compiled."""
     if keep is not None:
         d_y = d_y * keep / (1 - p)
-    an = ((a - mean) * rstd * norm_weight + norm_bias).to(a.dtype)  # as native_layer_norm rounds it
+    an = torch.native_layer_norm(a, [u.shape[-1]], norm_weight, norm_bias, eps)[0]
     da, d_norm_weight, d_norm_bias = torch.ops.aten.native_layer_norm_backward(
         d_y * F.silu(u), a, [u.shape[-1]], mean, rstd, norm_weight, norm_bias, [True, True, True]
     )
