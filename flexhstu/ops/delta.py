@@ -93,9 +93,14 @@ def delta_hstu_mha(
       ``seq_offsets`` and ``q_offsets`` tensors (the layers of a stack on one
       micro-batch): the first Triton call keeps the tables it makes from the
       offsets (three small launches) and the others reuse them. A call on other
-      offsets or rows makes its own and keeps those instead, so results never
-      depend on it. Without ``q_offsets`` each call makes new ones, and nothing
-      is shared.
+      offsets tensors or rows, or after an in-place change that bumps their
+      version counter, makes its own and keeps those instead. Use one plan per
+      micro-batch, on one CUDA stream, and inside or outside a CUDA graph
+      capture but not both: offsets changed in place without a version (made
+      under ``torch.inference_mode``, written through ``.data`` or DLPack), a
+      plan shared across streams, or one built eagerly and replayed in a graph
+      would give the tables of other offsets. Without ``q_offsets`` each call
+      makes new ones, and nothing is shared.
 
     On CPU tensors (outside torch.compile) bad offsets, ``q_start`` or
     ``num_targets`` raise; on CUDA they are not read (no sync), and a query row

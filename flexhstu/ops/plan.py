@@ -311,9 +311,11 @@ class DeltaPlan:
     does. Unlike an ``AttnPlan`` it is never refused: it keeps what it last built, filed under everything that
     went into it (the two offsets tensors themselves and their in-place version counters, the row counts, the
     tile's rows), and a call that differs in any of them builds again and replaces it. Tensors made under
-    ``torch.inference_mode`` have no version counter: change their values in place and pass a new plan. Empty
-    plans are cheap: make one per micro-batch. The PyTorch reference and traced calls (torch.compile,
-    torch.export) do not use it.
+    ``torch.inference_mode`` have no version counter: change their values in place and pass a new plan. Its
+    tables are written on the stream of the call that built them and are not ordered with other streams, and a
+    plan built outside a CUDA graph capture is not rebuilt inside it (or the reverse): keep a plan to one stream
+    and one side of a capture. Empty plans are cheap: make one per micro-batch. The PyTorch reference and traced
+    calls (torch.compile, torch.export) do not use it.
     """
 
     def __init__(self):
