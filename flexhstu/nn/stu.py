@@ -21,17 +21,17 @@ class STULayerConfig:
     """Sizes and execution of an STU layer. Keyword-only: the generative-recommenders config orders its
     fields differently (``hidden_dim`` before ``attention_dim``), so a positional call could swap them.
 
-    ``recompute``: the lean body (``flexhstu.nn.stu_lean``), which saves x, v, q, k (uvqk when u is kept),
-    the attention output and the norm statistics and rebuilds the rest in the backward; same forward, gradients equal to
-    rounding. ``recompute_u`` (with ``recompute``; ``None``, the default, follows ``recompute``): the lean body
-    keeps the layer input rather than ``u`` and rebuilds u in the backward (one more norm and quarter of the
-    projection): ``total * num_heads * hidden_dim`` elements less held per layer for about 2% more step time
-    (H100, B16 S4096, 4 layers of 512: peak 2.17 -> 1.99 GiB; benchmarks/RESULTS.md). ``compile``: fuse the
-    body's memory-bound steps with ``torch.compile(backend=compile_backend)``: with ``recompute`` the lean
-    functions' forward and backward bodies are compiled (what is saved stays as designed), without it the whole
-    plain body is. ``None`` (the default)
-    compiles for CUDA inputs only: on the CPU, compiling costs more than it saves for the small
-    models trained there. The attention is ``hstu_mha`` in every case.
+    ``recompute``: the lean body (``flexhstu.nn.stu_lean``), which saves x, v, q, k (uvqk when u is kept), the
+    attention output and the norm statistics and rebuilds the rest in the backward; forward and gradients equal to
+    the plain body's to rounding (the same forward ops when u is kept). ``recompute_u`` (with ``recompute``;
+    ``None``, the default, follows ``recompute``): the lean body keeps the layer input rather than ``u`` and
+    rebuilds u in the backward (one more norm and quarter of the projection): ``total * num_heads * hidden_dim``
+    elements less held per layer for about 2% more step time (H100, B16 S4096, 4 layers of 512: peak 2.17 -> 1.99
+    GiB; benchmarks/RESULTS.md). ``compile``: fuse the body's memory-bound steps with
+    ``torch.compile(backend=compile_backend)``: with ``recompute`` the lean functions' forward and backward bodies
+    are compiled (what is saved stays as designed), without it the whole plain body is. ``None`` (the default)
+    compiles for CUDA inputs only: on the CPU, compiling costs more than it saves for the small models trained
+    there. The attention is ``hstu_mha`` in every case.
 
     ``rel_bias``: the layer owns a relative attention bias (``flexhstu.nn.RelativeTimePositionBias``,
     the published HSTU's: one per layer, shared by the heads) over ``rel_bias_max_len`` positions and
