@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import numbers
 from dataclasses import dataclass
@@ -182,17 +183,13 @@ class STULayer(nn.Module):
         p = cfg.dropout if self.training else 0.0
         keep = dropout_keep((x.shape[0], h * dh), p, x.device) if p > 0.0 else None
         if cfg.recompute:
-            u, v, q, k = NormLinear.apply(
-                x,
-                self.norm.weight,
-                self.norm.bias,
-                self.uvqk.weight,
-                self.uvqk.bias,
-                self.norm.eps,
-                sizes,
-                bodies,
-                cfg.rebuilds_u,
+            lean, (w_in, b_in, w_out, b_out) = _lean_context(
+                x, (self.uvqk.weight, self.uvqk.bias, self.out.weight, self.out.bias)
             )
+            with lean:
+                u, v, q, k = NormLinear.apply(
+                    x, self.norm.weight, self.norm.bias, w_in, b_in, self.norm.eps, sizes, bodies, cfg.rebuilds_u
+                )
         else:
             u, v, q, k = torch.split(self.uvqk(self.norm(x)), sizes, dim=-1)
         # q, k, v stay views of the projection's output: the attention saves them without a copy.
@@ -207,25 +204,37 @@ class STULayer(nn.Module):
             **mask_kwargs,
         ).reshape(-1, h * dh)
         if cfg.recompute:
-            return GatedOutput.apply(
-                x,
-                u,
-                a,
-                self.attn_norm.weight,
-                self.attn_norm.bias,
-                self.out.weight,
-                self.out.bias,
-                self.attn_norm.eps,
-                keep,
-                p,
-                bodies,
-                (self.norm.weight, self.norm.bias, self.norm.eps, self.uvqk.weight, self.uvqk.bias)
-                if cfg.rebuilds_u
-                else None,
-            )
+            with lean:
+                return GatedOutput.apply(
+                    x,
+                    u,
+                    a,
+                    self.attn_norm.weight,
+                    self.attn_norm.bias,
+                    w_out,
+                    b_out,
+                    self.attn_norm.eps,
+                    keep,
+                    p,
+                    bodies,
+                    (self.norm.weight, self.norm.bias, self.norm.eps, w_in, b_in) if cfg.rebuilds_u else None,
+                )
         su = F.silu(u)
         y = gate(su, self.attn_norm(a), keep, p)
         return x + self.out(torch.cat([su, a, y], dim=-1))
+
+
+def _lean_context(x: torch.Tensor, weights: tuple) -> tuple:
+    """How the lean functions run: ``(context, weights)``. Outside autocast, as they are (``nullcontext``, the
+    weights themselves). Under autocast, with autocast off and the matmul weights cast to its dtype here, where
+    autograd sees the cast (their gradients reach the float32 parameters): a Function's backward runs outside
+    autocast, so casting inside would leave the backward's matmuls with mixed dtypes (``stu_lean``'s docstring)."""
+    device_type = x.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return contextlib.nullcontext(), weights
+    dtype = torch.get_autocast_dtype(device_type)
+    cast = tuple(w if w is None or w.dtype == dtype else w.to(dtype) for w in weights)
+    return torch.autocast(device_type, enabled=False), cast
 
 
 def _run_body(layer: STULayer, x, seq_offsets, max_seq_len, mask_kwargs):

@@ -27,6 +27,12 @@ The rest of the forward and backward is plain functions of tensors (``Bodies``);
 backend each is compiled on its own (no autograd inside, so the compiler fuses the pointwise work around
 the matmuls but cannot change what is saved). The in-place matmuls stay outside them: compiled, an in-place
 update of an intermediate is made out of place again.
+
+Under ``torch.autocast`` the layer hands these functions its matmul weights cast to the autocast dtype and
+runs them with autocast off (``STULayer.body``): their backward runs outside autocast, and an in-place
+matmul casts nothing. The norms take their input's dtype with the parameters' (float32) weights, the
+matmuls run in the weights' dtype (the casts to it are no-ops without autocast), and the residual and its
+gradient keep the layer input's dtype, as in the plain body under autocast.
 """
 
 from __future__ import annotations
@@ -59,12 +65,12 @@ def norm_linear_forward(x, norm_weight, norm_bias, weight, bias, eps: float, fir
     the others, from two matmuls (two buffers)."""
     xn, mean, rstd = torch.native_layer_norm(x, [x.shape[-1]], norm_weight, norm_bias, eps)
     if not first:
-        return F.linear(xn, weight, bias), None, mean, rstd
+        return F.linear(xn.to(weight.dtype), weight, bias), None, mean, rstd
     return _linear_rows(xn, weight, bias, 0, first), _linear_rows(xn, weight, bias, first, None), mean, rstd
 
 
 def _linear_rows(xn, weight, bias, lo: int, hi: int | None):
-    return F.linear(xn, weight[lo:hi], None if bias is None else bias[lo:hi])
+    return F.linear(xn.to(weight.dtype), weight[lo:hi], None if bias is None else bias[lo:hi])
 
 
 def rebuild_head(x, norm_weight, norm_bias, weight, bias, eps: float, first: int):
@@ -90,7 +96,7 @@ def norm_linear_backward_tail(d_xn, grads: list[torch.Tensor], x, mean, rstd, no
     d_weight = _norm_linear_weight_grad(grads, x, norm_weight, norm_bias, eps)
     d_bias = torch.cat([g.sum(0) for g in grads])
     dx, d_norm_weight, d_norm_bias = torch.ops.aten.native_layer_norm_backward(
-        d_xn, x, [x.shape[-1]], mean, rstd, norm_weight, norm_bias, [True, True, True]
+        d_xn.to(x.dtype), x, [x.shape[-1]], mean, rstd, norm_weight, norm_bias, [True, True, True]
     )
     return dx, d_norm_weight, d_norm_bias, d_weight, d_bias
 
@@ -98,7 +104,7 @@ def norm_linear_backward_tail(d_xn, grads: list[torch.Tensor], x, mean, rstd, no
 def _norm_linear_weight_grad(grads, x, norm_weight, norm_bias, eps: float):
     # Re-running the norm (one more read of x) rebuilds LN(x) bit for bit, as the forward had it; it
     # lives only for the weight gradient.
-    xn = torch.native_layer_norm(x, [x.shape[-1]], norm_weight, norm_bias, eps)[0]
+    xn = torch.native_layer_norm(x, [x.shape[-1]], norm_weight, norm_bias, eps)[0].to(grads[0].dtype)
     return torch.cat([g.t() @ xn for g in grads], dim=0)
 
 
@@ -116,6 +122,7 @@ def gated_output_backward(g, u, a, mean, rstd, norm_weight, norm_bias, weight, e
     silu(u) and y, which they read, are gone before the full-size gradients are made; the matmuls that add into
     those run here, in place (module docstring)."""
     w_u, w_a, w_y = torch.split(weight, u.shape[-1], dim=1)
+    g = g.to(weight.dtype)  # autocast: the residual's gradient may be wider than the matmuls (module docstring)
     d_weight, d_bias = parts.gate_weight_grads(g, u, a, norm_weight, norm_bias, eps, keep, p)
     d_su, da, d_norm_weight, d_norm_bias = parts.gate_backward(
         g @ w_y, u, a, mean, rstd, norm_weight, norm_bias, eps, keep, p

@@ -257,12 +257,23 @@ def test_lean_layer_in_bf16_gives_the_plain_gradients(compile, float32_norms):
     _assert_same_step((steps[1][0].float(), steps[1][1]), (steps[0][0].float(), steps[0][1]), rtol=3e-2)
 
 
-def test_rows_of_another_dtype_run_under_autocast():
-    stack, offs = _stack(0.0, num_layers=1), offsets_from(LENGTHS)
-    x = torch.randn(sum(LENGTHS), DIM)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = stack(x.bfloat16(), offs, 64)
-    assert out.shape == x.shape and torch.isfinite(out).all()
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lean", ["u kept", "u rebuilt"])
+def test_lean_layer_trains_under_autocast_as_the_plain_one(lean, x_dtype):
+    """float32 parameters under bf16 autocast, rows in float32 or bf16: the lean backward (which runs outside
+    autocast) gives the plain body's output and gradients to bf16 rounding, each in its tensor's dtype."""
+    steps = []
+    for kw in [dict(recompute=False), dict(recompute=True, recompute_u=lean == "u rebuilt")]:
+        stack, offs = _stack(0.3, compile=False, **kw), offsets_from(LENGTHS)
+        x = torch.randn(sum(LENGTHS), DIM, generator=torch.Generator().manual_seed(1)).to(x_dtype).requires_grad_()
+        torch.manual_seed(7)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = stack(x, offs, max(LENGTHS))
+        weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+        grads = torch.autograd.grad((out.float() * weights).sum(), [x, *stack.parameters()])
+        assert [g.dtype for g in grads] == [x_dtype] + [torch.float32] * (len(grads) - 1)
+        steps.append((out.detach().float(), [g.float() for g in grads]))
+    _assert_same_step(steps[1], steps[0], rtol=3e-2)
 
 
 def activation_bytes(fn, params) -> int:
