@@ -79,8 +79,8 @@ VARIANTS = {
         (
             BIAS,
             _both(
-                _replace("        s += tl.load(posw + (cols[:, None] - rows[None, :]))", "        s = s"),
-                _replace("        s += tl.load(posw + (cols[None, :] - rows[:, None]))", "        s = s"),
+                _replace("        s += _gather(posw + (cols[:, None] - rows[None, :]))", "        s = s"),
+                _replace("        s += _gather(posw + (cols[None, :] - rows[:, None]))", "        s = s"),
             ),
         )
     ],

@@ -8,7 +8,8 @@ The tables, the rows' times and the bucket edges are ``bias_tables.prepare``'s (
 call): a position table padded so that ``center + j - i`` needs no clamp, the time-bucket table, each row's
 int32 time offsets from its chunk's float64 base (NaN for a *wide* chunk) and the edges ``E[k]`` of the buckets.
 
-Per tile (``add_bias``): the relative positions index the padded table directly (one load per pair).
+Per tile (``add_bias``): the relative positions index the padded table directly (one load per pair, in the
+score tile's own layout: ``_gather``).
 For the time part the tile first bounds its gaps from the min/max of its rows' and keys' times (two
 scalars per side from the per-block summaries, ``block_span``: no vector read, no reduction across the
 warps), takes the bucket of both ends (``bucket_of``: a float32 log estimate corrected by two edge loads,
@@ -34,6 +35,8 @@ output scale). The tile is reduced first, then added atomically into float32 buf
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -43,6 +46,8 @@ INT32_SPAN_F = tl.constexpr(float(INT32_SPAN))
 CHUNK_ROWS = tl.constexpr(CHUNK)
 GRAIN = tl.constexpr(SUMMARY_GRAIN)
 SLOTS = tl.constexpr(SUMMARY_SLOTS)
+_IN_PLACE = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+"""Whether ``_gather`` loads through inline PTX (the GPU) or ``tl.load`` (the interpreter)."""
 UNROLLED = tl.constexpr(2)
 """Bucket edges per tile handled without a loop (time-sorted events: 2.2 on average in the benchmark)."""
 PIPELINE_GUARD = None
@@ -265,6 +270,22 @@ def _add_wide_time_steps(s, tsw, bias, seq_start, L, rows, cols, TRANS: tl.const
 
 
 @triton.jit
+def _gather(ptrs):
+    """``tl.load(ptrs)`` of float32, in the layout ``ptrs`` has (the score tile's), without a layout conversion.
+
+    Triton's coalescing pass gives every ``tl.load`` of a pointer tile its own blocked layout and, the load being
+    too large to recompute in another layout, converts the result to the score tile's MMA layout through shared
+    memory (a store, a barrier and a load per element). An inline PTX load is elementwise, so it stays in the
+    layout of its addresses. The position table is read-only in every kernel (its gradient has its own buffer),
+    hence the non-coherent cache path. The interpreter, which has no inline assembly, loads plainly."""
+    if _IN_PLACE:
+        return tl.inline_asm_elementwise("ld.global.nc.f32 $0, [$1];", "=r,l", [ptrs.to(tl.int64, bitcast=True)],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
 def add_bias(s, bias, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, sgn, TRANS: tl.constexpr,
              WIDE: tl.constexpr):
     """``s`` plus the float32 bias of its tile, ``(rows, cols)``, or ``(cols, rows)`` when TRANS; ``ai``, ``bi``:
@@ -281,9 +302,9 @@ def add_bias(s, bias, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, sgn, T
     tsw = bias.ts + h * bias.ts_stride_h
     posw = bias.pos + h * bias.pos_stride_h + bias.pos_center
     if TRANS:
-        s += tl.load(posw + (cols[:, None] - rows[None, :]))
+        s += _gather(posw + (cols[:, None] - rows[None, :]))
     else:
-        s += tl.load(posw + (cols[None, :] - rows[:, None]))
+        s += _gather(posw + (cols[None, :] - rows[:, None]))
     if WIDE:
         if d != d:
             s = _add_wide_time_steps(s, tsw, bias, seq_start, L, rows, cols, TRANS)
