@@ -79,8 +79,14 @@ VARIANTS = {
         (
             BIAS,
             _both(
-                _replace("        s += _gather(posw + (cols[:, None] - rows[None, :]))", "        s = s"),
-                _replace("        s += _gather(posw + (cols[None, :] - rows[:, None]))", "        s = s"),
+                _replace(
+                    "        s += _gather(posw + (cols[:, None] - rows[None, :]), DOT_PRECISION)",
+                    "        s = s",
+                ),
+                _replace(
+                    "        s += _gather(posw + (cols[None, :] - rows[:, None]), DOT_PRECISION)",
+                    "        s = s",
+                ),
             ),
         )
     ],

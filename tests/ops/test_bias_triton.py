@@ -13,6 +13,7 @@ import dataclasses
 import itertools
 import math
 import os
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -251,12 +252,14 @@ def _bias_probe_kernel(bias, OFFS, OUT, n, BM: tl.constexpr, BN: tl.constexpr, T
             out = OUT + ((b * tl.num_programs(2) + h) * n + rows[:, None]) * n + cols[None, :]
             if TRANS:
                 zero = tl.zeros((BN, BM), tl.float32)
-                t = bias_tiles.add_bias(zero, bias, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, sgn, True, WIDE)
+                t = bias_tiles.add_bias(
+                    zero, bias, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, sgn, True, WIDE, "tf32"
+                )
                 tl.store(out, tl.trans(t), mask=ok)
             else:
                 zero = tl.zeros((BM, BN), tl.float32)
                 t = bias_tiles.add_bias(
-                    zero, bias, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, sgn, False, WIDE
+                    zero, bias, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, sgn, False, WIDE, "tf32"
                 )
                 tl.store(out, t, mask=ok)
 
@@ -270,6 +273,35 @@ def test_bucket_edges_reproduce_the_reference_bucket_of_every_gap_around_them():
         counted = (gaps[:, None].double() >= torch.tensor(edges[1:-1], dtype=torch.float64)[None, :]).sum(1)
         assert torch.equal(counted, time_bucket(gaps, nb)), nb
         assert torch.equal(counted, time_bucket(-gaps, nb)), nb  # |gap|
+
+
+class _Edges(NamedTuple):
+    """What ``bias_tiles.bucket_of`` reads of a ``bias_tables.Bias``."""
+
+    edges: torch.Tensor
+    num_buckets: int
+
+
+@triton.jit
+def _bucket_probe_kernel(edges, X, OUT, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + i, mask=i < n, other=0.0)
+    tl.store(OUT + i, bias_tiles.bucket_of(edges, x), mask=i < n)
+
+
+def test_bucket_of_is_the_reference_bucket_of_every_gap_around_the_edges_and_up_to_int64s():
+    """``bucket_of`` (the tiles' bucket range: an estimate from the float64 bits of a gap, then one comparison
+    with each neighbouring edge) of float64 gaps: both sides of every edge, 0, 1, and log-uniform gaps up to
+    2^63. An estimate off by two, or a correction that went the wrong way, moves some bucket."""
+    g = torch.Generator().manual_seed(0)
+    for nb in (1, 10, 60, 128, 200):
+        edges = bias_tables.edges_tensors(nb, torch.device(DEVICE))[0]
+        random = torch.exp(torch.rand(20000, generator=g, dtype=torch.float64) * 63 * math.log(2)).to(torch.int64)
+        gaps = torch.cat([torch.tensor(edge_gaps(nb, 2**53) + [0, 1, 2, 2**62, 2**63 - 1]), random.clamp(min=0)])
+        got = torch.full(gaps.shape, -1, dtype=torch.int32, device=DEVICE)
+        x = gaps.to(torch.float64).to(DEVICE)
+        _bucket_probe_kernel[(triton.cdiv(len(gaps), 1024),)](_Edges(edges, nb), x, got, len(gaps), BLOCK=1024)
+        assert torch.equal(got.cpu().to(torch.int64), time_bucket(gaps, nb)), nb
 
 
 def test_a_plan_with_the_bias_gives_the_plan_free_result():

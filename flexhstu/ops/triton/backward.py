@@ -204,7 +204,7 @@ def _key_block(Q, K, V, DO, DK, DV, func, rule, OFFS, KTAB, BOUNDS, QLO, QHI, it
                 b_lo, b_hi, sgn = tile_buckets(BIAS, amin, amax, bmin, bmax, d)
                 if m0 < L:  # always: keeps the pipeliner off the bias loads (bias.PIPELINE_GUARD)
                     s = add_bias(s, BIAS, h, seq_start, L, rows, cols, 0, bi, d, b_lo, b_hi, sgn, True,
-                                 WIDE_PASS)
+                                 WIDE_PASS, DOT_PRECISION)
             if HAS_RAB:
                 s = add_rab(s, RAB, rab_b, L, rows, cols, True)
             if FLOOR_SCORES:

@@ -12,8 +12,8 @@ Per tile (``add_bias``): the relative positions index the padded table directly 
 score tile's own layout: ``_gather``).
 For the time part the tile first bounds its gaps from the min/max of its rows' and keys' times (two
 scalars per side from the per-block summaries, ``block_span``: no vector read, no reduction across the
-warps), takes the bucket of both ends (``bucket_of``: a float32 log estimate corrected by two edge loads,
-exact), and if the tile spans buckets ``b_lo .. b_hi`` compares each pair with the edges between them
+warps), takes the bucket of both ends (``bucket_of``: an estimate from the float64 bits corrected by two edge
+loads, exact), and if the tile spans buckets ``b_lo .. b_hi`` compares each pair with the edges between them
 only: a tile of one bucket (most tiles of time-sorted events away from the diagonal) costs nothing per
 pair, and only a tile of several buckets reads the per-row times of the side that changes from tile to
 tile (the keys in the query-major kernels, the query rows in the key-major one). The bias goes straight
@@ -116,12 +116,21 @@ def bias_cols(bias, seq, seq_start, L, cols, col0):
 
 @triton.jit
 def bucket_of(bias, x):
-    """The bucket of a scalar float64 gap ``x >= 0``: ``floor(log2(x) ln2 / 0.301)`` in float32 is within one
-    of it; one comparison with each neighbouring edge makes it exact."""
+    """The bucket of a scalar float64 gap ``x >= 0``: an estimate within one of it from the float's bits, then
+    one comparison with each neighbouring edge makes it exact.
+
+    The high word of ``max(x, 1)`` is its exponent (biased by 1023) and the top 20 bits of its mantissa ``m``:
+    read as a number it is ``e + m`` (in units of 2^20) where ``log2(x) = e + log2(1 + m)``, at most 0.0861
+    below (the largest ``log2(1 + m) - m``, at ``m = 1/ln2 - 1``), so ``ln(x) / 0.301`` less at most 0.199
+    and float32 rounding (~1e-5): the bucket or the one below, never outside the two edges' correction. Integer
+    and float32 arithmetic (an I2F, a multiply, an F2I) where ``tl.log2`` of float32 is a libdevice polynomial
+    of ~25 instructions and a branch; ``>= 0`` as ``x >= 1``."""
     LOG2_TO_BUCKET: tl.constexpr = 0.6931471805599453 / 0.301
-    b = (tl.log2(tl.maximum(x, 1.0).to(tl.float32)) * LOG2_TO_BUCKET).to(tl.int32)
-    b = tl.minimum(tl.maximum(b, 0), bias.num_buckets)
-    # Both neighbours at once (one memory round trip): the estimate is b* - 1, b* or b* + 1.
+    hi = (tl.maximum(x, 1.0).to(tl.int64, bitcast=True) >> 32).to(tl.int32)
+    b = ((hi - (1023 << 20)).to(tl.float32) * (LOG2_TO_BUCKET / (1 << 20))).to(tl.int32)
+    b = tl.minimum(b, bias.num_buckets)
+    # Both neighbours at once (one memory round trip): the estimate is b* - 1 or b*, b* + 1 only within float32
+    # rounding (~1e-5 of a bucket) below an edge; each comparison corrects one direction.
     below = tl.load(bias.edges + b)
     above = tl.load(bias.edges + b + 1)
     return b + tl.where(x >= above, 1, 0) - tl.where(x < below, 1, 0)
@@ -161,15 +170,16 @@ def _far(bias, k, ai, bi, d, TRANS: tl.constexpr, ONE_SIDED: tl.constexpr):
 
 
 @triton.jit
-def query_major_bias(s, bias, brows, h, seq_start, L, rows, cols, n0, WIDE: tl.constexpr):
+def query_major_bias(s, bias, brows, h, seq_start, L, rows, cols, n0, WIDE: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr):
     """``s + bias`` for a ``(rows, cols)`` tile of a query-major program (keys from ``n0``); ``brows``: the
-    program's ``bias_rows``; WIDE: as ``add_bias``."""
+    program's ``bias_rows``; WIDE, DOT_PRECISION: as ``add_bias``."""
     ai, amin, amax, base_a, seq = brows
     if n0 < L:  # always (walks visit key blocks inside the sequence): see PIPELINE_GUARD
         bmin, bmax, base_b = col_span(bias, seq, seq_start, n0, cols.shape[0])
         d = base_a - base_b
         b_lo, b_hi, sgn = tile_buckets(bias, amin, amax, bmin, bmax, d)
-        s = add_bias(s, bias, h, seq_start, L, rows, cols, ai, 0, d, b_lo, b_hi, sgn, False, WIDE)
+        s = add_bias(s, bias, h, seq_start, L, rows, cols, ai, 0, d, b_lo, b_hi, sgn, False, WIDE, DOT_PRECISION)
     return s
 
 
@@ -270,15 +280,18 @@ def _add_wide_time_steps(s, tsw, bias, seq_start, L, rows, cols, TRANS: tl.const
 
 
 @triton.jit
-def _gather(ptrs):
+def _gather(ptrs, DOT_PRECISION: tl.constexpr):
     """``tl.load(ptrs)`` of float32, in the layout ``ptrs`` has (the score tile's), without a layout conversion.
 
     Triton's coalescing pass gives every ``tl.load`` of a pointer tile its own blocked layout and, the load being
     too large to recompute in another layout, converts the result to the score tile's MMA layout through shared
     memory (a store, a barrier and a load per element). An inline PTX load is elementwise, so it stays in the
     layout of its addresses. The position table is read-only in every kernel (its gradient has its own buffer),
-    hence the non-coherent cache path. The interpreter, which has no inline assembly, loads plainly."""
-    if _IN_PLACE:
+    hence the non-coherent cache path. The interpreter, which has no inline assembly, loads plainly; so do IEEE
+    float32 dots (FMA, not tensor cores): there the load's own layout is what keeps the SiLU's elementwise
+    chain out of the next dot's operand layout, which repeats the tile across threads (sm_90, without it: 32
+    times the tanh instructions and 7.5 KB of spills in the forward kernel)."""
+    if _IN_PLACE and DOT_PRECISION != "ieee":
         return tl.inline_asm_elementwise("ld.global.nc.f32 $0, [$1];", "=r,l", [ptrs.to(tl.int64, bitcast=True)],
                                          dtype=tl.float32, is_pure=True, pack=1)
     else:
@@ -287,7 +300,7 @@ def _gather(ptrs):
 
 @triton.jit
 def add_bias(s, bias, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, sgn, TRANS: tl.constexpr,
-             WIDE: tl.constexpr):
+             WIDE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """``s`` plus the float32 bias of its tile, ``(rows, cols)``, or ``(cols, rows)`` when TRANS; ``ai``, ``bi``:
     the rows' and keys' int32 times, of which only the program's held side is read (``bi`` when TRANS, else
     ``ai``; pass anything for the other), ``d`` the difference of their bases, ``b_lo .. b_hi`` and ``sgn``:
@@ -297,14 +310,15 @@ def add_bias(s, bias, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, sgn, T
     the step to the next bucket's weight where the pair's gap reaches it (the float32 sum of the steps
     differs from the weight by rounding only). ``d`` NaN (a wide chunk): the same from the int64 times, a
     branch compiled only with WIDE, which the programs of a sequence with a wide chunk run (``Bias.seq_wide``):
-    in the other programs' loops it would hold registers that the common path then spills.
+    in the other programs' loops it would hold registers that the common path then spills. DOT_PRECISION: the
+    kernel's, which decides how the position entries are loaded (``_gather``).
     """
     tsw = bias.ts + h * bias.ts_stride_h
     posw = bias.pos + h * bias.pos_stride_h + bias.pos_center
     if TRANS:
-        s += _gather(posw + (cols[:, None] - rows[None, :]))
+        s += _gather(posw + (cols[:, None] - rows[None, :]), DOT_PRECISION)
     else:
-        s += _gather(posw + (cols[None, :] - rows[:, None]))
+        s += _gather(posw + (cols[None, :] - rows[:, None]), DOT_PRECISION)
     if WIDE:
         if d != d:
             s = _add_wide_time_steps(s, tsw, bias, seq_start, L, rows, cols, TRANS)

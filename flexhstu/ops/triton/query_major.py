@@ -48,7 +48,7 @@ def key_block_scores(q, K, V, h, seq_start, L, n0, rows, alpha, BLOCK_N: tl.cons
     v = load_rows(V, seq_start + cols, col_ok, h, DIM_V, TILE_V)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * alpha
     if HAS_BIAS:
-        s = query_major_bias(s, BIAS, BROWS, h, seq_start, L, rows, cols, n0, WIDE_TIMES)
+        s = query_major_bias(s, BIAS, BROWS, h, seq_start, L, rows, cols, n0, WIDE_TIMES, DOT_PRECISION)
     if HAS_RAB:
         s = add_rab(s, RAB, RAB_BASE, L, rows, cols, False)
     if FLOOR_SCORES:
