@@ -233,7 +233,8 @@ def _lean_context(x: torch.Tensor, weights: tuple) -> tuple:
     if not torch.is_autocast_enabled(device_type):
         return contextlib.nullcontext(), weights
     dtype = torch.get_autocast_dtype(device_type)
-    cast = tuple(w if w is None or w.dtype == dtype else w.to(dtype) for w in weights)
+    # autocast's own rule: float64 is never cast (a float64 model stays float64 under autocast)
+    cast = tuple(w if w is None or w.dtype in (dtype, torch.float64) else w.to(dtype) for w in weights)
     return torch.autocast(device_type, enabled=False), cast
 
 

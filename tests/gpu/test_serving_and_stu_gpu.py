@@ -57,28 +57,32 @@ def test_delta_rows_equal_the_training_forward_rows(name):
     check(f"delta {name} vs float32 reference", {"out": rel(got, ref[rows])})
 
 
+@pytest.mark.parametrize("precision", ["bf16", "float32 under bf16 autocast"])
 @pytest.mark.parametrize("mask", ["causal", "window 256"])
-def test_stu_default_fast_path_equals_the_eager_layer_in_bf16(mask):
+def test_stu_default_fast_path_equals_the_eager_layer_in_bf16(mask, precision):
     torch.manual_seed(0)
     lengths = [2048, 777, 0, 1500]
     offs = offsets(lengths)
     kw = {} if mask == "causal" else {"max_attn_len": 256}
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     cfg = dict(embedding_dim=256, num_heads=2, attention_dim=64, hidden_dim=64, dropout=0.0)
-    eager = STUStack(STULayerConfig(**cfg, recompute=False, compile=False), 2).cuda().to(torch.bfloat16)
-    fast = STUStack(STULayerConfig(**cfg), 2).cuda().to(torch.bfloat16)
+    eager = STUStack(STULayerConfig(**cfg, recompute=False, compile=False), 2).cuda().to(dtype)
+    fast = STUStack(STULayerConfig(**cfg), 2).cuda().to(dtype)
     fast.load_state_dict(eager.state_dict())
-    x = torch.randn(sum(lengths), 256, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(sum(lengths), 256, device="cuda", dtype=dtype)
     dout = torch.randn_like(x)
     results = []
     for stack in (eager, fast):
         xi = x.clone().requires_grad_(True)
-        out = stack(xi, offs, max(lengths), **kw)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision != "bf16"):
+            out = stack(xi, offs, max(lengths), **kw)
         grads = torch.autograd.grad(out, [xi, *stack.parameters()], dout)
+        assert all(g.dtype == dtype for g in grads)
         results.append((out, grads))
     (o_e, g_e), (o_f, g_f) = results
     errs = {"out": rel(o_f, o_e), "dx": rel(g_f[0], g_e[0])}
     errs["worst_param_grad"] = max(rel(a, b) for a, b in zip(g_f[1:], g_e[1:]))
-    check(f"STU default vs eager, 2 layers, {mask}, bf16", errs, tol=TOL)
+    check(f"STU default vs eager, 2 layers, {mask}, {precision}", errs, tol=TOL)
 
 
 class _Step(torch.nn.Module):

@@ -276,6 +276,19 @@ def test_lean_layer_trains_under_autocast_as_the_plain_one(lean, x_dtype):
     _assert_same_step(steps[1], steps[0], rtol=3e-2)
 
 
+def test_a_float64_model_stays_float64_under_autocast():
+    """autocast casts no float64 tensor, so neither may the lean layer: the plain body's output, exactly."""
+    outs = []
+    for recompute in (False, True):
+        stack, offs = _stack(0.0, num_layers=1, recompute=recompute, compile=False), offsets_from(LENGTHS)
+        stack.double()
+        x = torch.randn(sum(LENGTHS), DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            outs.append(stack(x, offs, max(LENGTHS)))
+    assert outs[1].dtype == torch.float64
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-12, atol=1e-12)
+
+
 def activation_bytes(fn, params) -> int:
     """Bytes the autograd graph of ``fn()`` saves, counted once per storage, parameters left out."""
     param_storages = {p.untyped_storage().data_ptr() for p in params}
