@@ -27,7 +27,7 @@ class STULayerConfig:
     the plain body's to rounding (the same forward ops when u is kept). ``recompute_u`` (with ``recompute``;
     ``None``, the default, follows ``recompute``): the lean body keeps the layer input rather than ``u`` and
     rebuilds u in the backward (one more norm and quarter of the projection): ``total * num_heads * hidden_dim``
-    elements less held per layer for about 2% more step time (H100, B16 S4096, 4 layers of 512: peak 2.17 -> 1.99
+    elements less held per layer for 2-4% more step time (H100, B16 S4096, 4 layers of 512: peak 2.10 -> 1.86
     GiB; benchmarks/RESULTS.md). ``compile``: fuse the body's memory-bound steps with
     ``torch.compile(backend=compile_backend)``: with ``recompute`` the lean functions' forward and backward bodies
     are compiled (what is saved stays as designed), without it the whole plain body is. ``None`` (the default)
