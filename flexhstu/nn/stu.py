@@ -227,8 +227,9 @@ class STULayer(nn.Module):
 def _lean_context(x: torch.Tensor, weights: tuple) -> tuple:
     """How the lean functions run: ``(context, weights)``. Outside autocast, as they are (``nullcontext``, the
     weights themselves). Under autocast, with autocast off and the matmul weights cast to its dtype here, where
-    autograd sees the cast (their gradients reach the float32 parameters): a Function's backward runs outside
-    autocast, so casting inside would leave the backward's matmuls with mixed dtypes (``stu_lean``'s docstring)."""
+    autograd sees the cast (their gradients reach the float32 parameters): a Function's backward runs in whatever
+    autocast state ``backward()`` is called in (usually none), so casting inside would leave the backward's
+    matmuls with mixed dtypes (``stu_lean``'s docstring)."""
     device_type = x.device.type
     if not torch.is_autocast_enabled(device_type):
         return contextlib.nullcontext(), weights

@@ -29,10 +29,11 @@ the matmuls but cannot change what is saved). The in-place matmuls stay outside 
 update of an intermediate is made out of place again.
 
 Under ``torch.autocast`` the layer hands these functions its matmul weights cast to the autocast dtype and
-runs them with autocast off (``STULayer.body``): their backward runs outside autocast, and an in-place
-matmul casts nothing. The norms take their input's dtype with the parameters' (float32) weights, the
-matmuls run in the weights' dtype (the casts to it are no-ops without autocast), and the residual and its
-gradient keep the layer input's dtype, as in the plain body under autocast.
+runs them with autocast off (``STULayer.body``): their backward runs in the autocast state of the
+``backward()`` call, not the forward's, and an in-place matmul casts nothing either way. The norms take their
+input's dtype with the parameters' (float32) weights, the matmuls run in the weights' dtype (the casts to it
+are no-ops without autocast), and the residual and its gradient keep the layer input's dtype, as in the plain
+body under autocast.
 """
 
 from __future__ import annotations
