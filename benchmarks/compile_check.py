@@ -3,6 +3,7 @@
     PYTHONPATH=$PWD python benchmarks/compile_check.py           # bf16 D 64/128/256/96 and 24/48, every MODE; fp32
     PYTHONPATH=$PWD python benchmarks/compile_check.py --quick   # D 128 and 96 only
     PYTHONPATH=$PWD python benchmarks/compile_check.py --quick --sass DIR   # and each variant's SASS in DIR
+    COMPILE_CHECK_VERBOSE=1 PYTHONPATH=$PWD python benchmarks/compile_check.py ...  # a failure's whole error
 
 Every dim also compiles the kernels with the relative attention bias (``rel_bias``: HAS_BIAS, and
 BIAS_GRAD in the dK/dV kernel) for the causal, fixed-rule window and SLA masks; the lines show ``HAS_BIAS=True``;
@@ -79,6 +80,10 @@ def compile_instead_of_launch(self, *args, grid, warmup, **kwargs):
     except Exception as e:  # reported per variant; the script exits 1 at the end
         failures.append(label)
         print(f"FAIL {label}: {type(e).__name__}: {str(e).splitlines()[-1][:200]}", flush=True)
+        if os.environ.get("COMPILE_CHECK_VERBOSE"):  # the innermost error whole (Triton's own message)
+            while e.__cause__ is not None:
+                e = e.__cause__
+            print(e, flush=True)
         return None
     regs, stack = _resources(kernel.asm["cubin"])
     print(f"ok   {label:110} regs={regs:3} spill_stack={stack}B", flush=True)
