@@ -3,7 +3,9 @@
     PYTHONPATH=$PWD python benchmarks/bench_bias.py              # the two configurations of issue 14
     PYTHONPATH=$PWD python benchmarks/bench_bias.py --times random --json out.json
 
-Configurations: causal B4 S8192 H4 D128, and SLA (K1 256, K2 32) B4 S8192 H4 D128. The bias is the STU
+Configurations: causal B4 S8192 H4 D128, and SLA (K1 256, K2 32) B4 S8192 H4 D128 under the plan an SLA model
+builds (``build_plan(..., sparse=True)``, the sparse tiles; until 2026-12-07 the SLA rows ran under the dense
+tiles of a call without a plan). The bias is the STU
 layer's (``flexhstu.nn.RelativeTimePositionBias``): one position table of ``2 S - 1`` entries and one table
 of 129 time buckets, shared by the heads, both requiring grad. Timestamps (``--times``):
 
@@ -80,6 +82,7 @@ def run(name: str, mask: str, args) -> dict:
     from flexhstu.bench.timing import captured
     from flexhstu.jagged import offsets_from_lengths
     from flexhstu.ops.bias import RelativeBias, dense_relative_bias
+    from flexhstu.ops.plan import build_plan
 
     torch.manual_seed(0)
     lengths = [args.seq] * args.batch
@@ -87,7 +90,10 @@ def run(name: str, mask: str, args) -> dict:
     total, n, h, d = sum(lengths), args.seq, args.heads, args.dim
     q, k, v = (torch.randn(total, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     dout = torch.randn(total, h, d, device="cuda", dtype=torch.bfloat16)
-    kw = {"attn_func": masks.sla(offs, 256, 32, total=total)} if mask == "sla" else {}
+    kw = {}
+    if mask == "sla":  # with the plan an SLA model builds for it (STUStack: sparse tiles where 4 (K1 + K2) <= S)
+        func = masks.sla(offs, 256, 32, total=total)
+        kw = {"attn_func": func, "attn_plan": build_plan(offs, total=total, max_seq_len=n, attn_func=func, sparse=True)}
     pos_w = (torch.randn(2 * n - 1, device="cuda") * 0.02).requires_grad_(True)
     ts_w = (torch.randn(129, device="cuda") * 0.02).requires_grad_(True)
     bias = RelativeBias(pos_w, ts_w, timestamps(lengths, args.times).cuda())
