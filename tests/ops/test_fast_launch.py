@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
+import triton
 import triton.language as tl
 import triton.runtime.jit as jit
 from triton.backends.compiler import GPUTarget
@@ -357,3 +358,19 @@ def test_the_guards_own_names_do_not_shadow_arguments(kernel):
     base = dict(P=(16, 32), P_0=48, Q_0_1=64, Q=((16, 32), 2), debug=False, instrumentation_mode="")
     values = fast_launch._guard(fn, base)(**base)
     assert values == (base["P"], 48, 64, base["Q"])
+
+
+def test_the_guard_is_on_for_the_pinned_triton_only(kernel, monkeypatch):
+    """The guard encodes triton 3.6's specialisation rules: on another Triton (CI pins 3.6) this fails until
+    someone has read that version's binder; with the gate off every launch takes the binder and keeps no guard."""
+    assert fast_launch._GUARDED, f"triton {triton.__version__}: check its binder's rules, then widen _GUARDED"
+    kw = dict(X=torch.zeros(8), n=32, scale=0.5, ROWS=4)
+    on = Launcher(kernel.fn)
+    for _ in range(2):
+        on.launch((1,), **kw)
+    assert len(on._seen[0]) == 1
+    monkeypatch.setattr(fast_launch, "_GUARDED", False)
+    off = Launcher(kernel.fn)
+    for _ in range(3):
+        off.launch((1,), **kw)
+    assert off._seen == {} and _direct(kernel.launches[-1])

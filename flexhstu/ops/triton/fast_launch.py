@@ -26,6 +26,7 @@ from __future__ import annotations
 import inspect
 
 import torch
+import triton
 from triton import knobs
 from triton.knobs import HookChain
 from triton.runtime import driver
@@ -80,7 +81,7 @@ class Launcher:
                 kernel[grid](**kwargs)  # compiles it, or raises Triton's error
                 return
             values = tuple(bound.values())
-            guard = _guard(kernel, kwargs)
+            guard = _guard(kernel, kwargs) if _GUARDED else None
             if guard is not None:  # a new list: another thread (autograd's) may be reading the old one
                 self._seen[device] = [(guard, key, compiled), *self._seen.get(device, ())][:_SEEN]
         if not _globals_unchanged(kernel):
@@ -105,6 +106,9 @@ def _globals_unchanged(kernel: JITFunction) -> bool:
 
 
 _SEEN = 8
+_GUARDED = triton.__version__.startswith("3.6.")
+"""Whether ``_guard`` knows this Triton's specialisation rules (read off triton 3.6's binder): under another
+version every launch takes the binder, which costs time, never a wrong specialisation."""
 """Argument classes (guards) kept per launcher and device: a call site launches a handful at most."""
 _PLAIN = (int, float, bool, str, type(None))
 _NAMES = {"type", "len", "tuple", "int", "float", "options", "guard"}  # the guard's own names (and ``_...``)
