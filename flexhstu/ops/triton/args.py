@@ -41,5 +41,11 @@ class RuleArgs(NamedTuple):
     min_full: int
 
 
+_new_tuple = tuple.__new__
+
+
 def jagged(x: torch.Tensor) -> Jagged:
-    return Jagged(x, x.stride(0), x.stride(1))
+    """``Jagged(x, x.stride(0), x.stride(1))``, made with one ``stride()`` call and without the NamedTuple's Python
+    ``__new__`` (a launch makes several: 0.63 us each against 0.26 on the CPU emulation)."""
+    s = x.stride()
+    return _new_tuple(Jagged, (x, s[0], s[1]))

@@ -71,17 +71,25 @@ def _attention_args(q, k, v, offs, vis: Visibility, alpha: float, interpreting: 
     a dense rab) a score can be -inf whatever alpha (a -inf entry hiding a pair), so the scores are floored
     (``silu.finite_below``); with ``|alpha| <= 1`` and no bias they cannot, and the kernels skip that step.
     All but Q, K, V and alpha are made once per mask and offsets (``Visibility.cached_args``)."""
-    dqk, dv = q.shape[2], v.shape[2]
-    floor, precision = abs(alpha) > 1.0 or biased, dot_precision(q.dtype)
-    static = vis.cached_args(offs, ("attention", dqk, dv, interpreting, floor, precision), lambda: dict(
-        OFFS=offs, DIM_QK=dqk, DIM_V=dv, TILE_QK=tile_dim(dqk), TILE_V=tile_dim(dv), FAST_SIGMOID=not interpreting,
-        FLOOR_SCORES=floor, DOT_PRECISION=precision, **vis.kernel_args(offs)))
+    static = _static_args(offs, vis, q.shape[2], v.shape[2], interpreting, abs(alpha) > 1.0 or biased, q.dtype)
     return dict(static, Q=jagged(q), K=jagged(k), V=jagged(v), alpha=alpha)
 
 
-def _scale_args(attn_scale: torch.Tensor | None, offs: torch.Tensor) -> dict:
-    """The per-row factor of A (attn_scale, float32 ``(total,)``) when given; ``offs`` is a never-read stand-in."""
-    return dict(ATTN_SCALE=offs if attn_scale is None else attn_scale, HAS_ATTN_SCALE=attn_scale is not None)
+def _static_args(offs, vis: Visibility, dqk: int, dv: int, interpreting: bool, floor: bool, dtype) -> dict:
+    """``_attention_args`` but Q, K, V and alpha, kept (``Visibility.cached_args``): FLOOR_SCORES is ``floor``,
+    DOT_PRECISION follows ``dtype``."""
+    precision = dot_precision(dtype)
+    return vis.cached_args(offs, ("attention", dqk, dv, interpreting, floor, precision), lambda: dict(
+        OFFS=offs, DIM_QK=dqk, DIM_V=dv, TILE_QK=tile_dim(dqk), TILE_V=tile_dim(dv), FAST_SIGMOID=not interpreting,
+        FLOOR_SCORES=floor, DOT_PRECISION=precision, **vis.kernel_args(offs)))
+
+
+def _query_major_args(plan: BlockPlan, vis: Visibility, tile, static: dict, scaled: bool) -> dict:
+    """A query-major launch's (forward, dQ) arguments that depend on the plan and the call's class only, kept
+    (``Visibility.cached_args``, keyed by ``static``'s key, the tile and ``scaled``): ``static``
+    (``_static_args``), the tile's, HAS_ATTN_SCALE, the block table QTAB and its length ``n_flat``."""
+    qtab, nqb = plan.tables.table(tile.block_m)
+    return dict(static, **tile.launch(), HAS_ATTN_SCALE=scaled, QTAB=qtab, n_flat=nqb)
 
 
 def _bias_args(bias: bias_tables.Prepared | None) -> dict:
@@ -130,17 +138,18 @@ def forward(q, k, v, offs, vis: Visibility, alpha: float, out_scale: float,
     if offs.numel() == 1:  # no sequence (unchecked on CUDA): no row sees anything
         return out.zero_()
     interpreting = _interpreting()
-    tile = (tile_set or call_tiles(q, v, vis, bias is not None or rab is not None)).forward
+    biased = bias is not None or rab is not None
+    tile = (tile_set or call_tiles(q, v, vis, biased)).forward
     plan = plan if plan is not None else BlockPlan(offs, total, vis)
     offs = plan.offs  # safe offsets (BlockPlan.offs): the kernels never follow the caller's
-    qtab, nqb = plan.tables.table(tile.block_m)
+    dqk, dv, floor, scaled = q.shape[2], v.shape[2], abs(alpha) > 1.0 or biased, attn_scale is not None
+    static = _static_args(offs, vis, dqk, dv, interpreting, floor, q.dtype)
+    qm = vis.cached_args(offs, ("query-major", tile, dqk, dv, interpreting, floor, static["DOT_PRECISION"], scaled),
+                         lambda: _query_major_args(plan, vis, tile, static, scaled))
     _FORWARD.launch(
-        (nqb, nheads),
-        **_attention_args(q, k, v, offs, vis, alpha, interpreting, bias is not None or rab is not None),
-        **tile.launch(),
-        **_scale_args(attn_scale, offs), **_bias_args(bias), **_rab_args(rab), OUT=jagged(out), QTAB=qtab,
-        n_flat=nqb,
-        out_scale=1.0 if attn_scale is not None else out_scale,
+        (qm["n_flat"], nheads),
+        **qm, **_bias_args(bias), **_rab_args(rab), Q=jagged(q), K=jagged(k), V=jagged(v), OUT=jagged(out),
+        ATTN_SCALE=attn_scale if scaled else offs, alpha=alpha, out_scale=1.0 if scaled else out_scale,
     )
     return out
 
@@ -160,24 +169,34 @@ def backward(dout, q, k, v, offs, vis: Visibility, alpha: float, out_scale: floa
     if offs.numel() == 1:  # no sequence (unchecked on CUDA): no gradient
         return dq.zero_(), torch.zeros_like(k), torch.zeros_like(v)
     interpreting = _interpreting()
-    _, tq, tkv = tile_set or call_tiles(q, v, vis, bias is not None or rab is not None)
+    biased = bias is not None or rab is not None
+    _, tq, tkv = tile_set or call_tiles(q, v, vis, biased)
     plan = plan if plan is not None else BlockPlan(offs, total, vis)
     offs = plan.offs  # safe offsets (BlockPlan.offs): the kernels never follow the caller's
-    args = _attention_args(q, k, v, offs, vis, alpha, interpreting, bias is not None or rab is not None)
-    args.update(_scale_args(attn_scale, offs))
-    scale = 1.0 if attn_scale is not None else out_scale  # attn_scale replaces out_scale, row by row
-    qtab, nqb = plan.tables.table(tq.block_m)
+    dqk, dv_dim, floor, scaled = q.shape[2], v.shape[2], abs(alpha) > 1.0 or biased, attn_scale is not None
+    static = _static_args(offs, vis, dqk, dv_dim, interpreting, floor, q.dtype)
+    precision = static["DOT_PRECISION"]
+    # What every launch below reads per call: the inputs, the output gradient, the per-row scale (when given;
+    # ``offs`` is a never-read stand-in), alpha.
+    inputs = dict(Q=jagged(q), K=jagged(k), V=jagged(v), DO=jagged(dout), ATTN_SCALE=attn_scale if scaled else offs,
+                  alpha=alpha)
+    scale = 1.0 if scaled else out_scale  # attn_scale replaces out_scale, row by row
+    qm = vis.cached_args(offs, ("query-major", tq, dqk, dv_dim, interpreting, floor, precision, scaled),
+                         lambda: _query_major_args(plan, vis, tq, static, scaled))
     _DQ.launch(
-        (nqb, nheads),
-        **args, **tq.launch(), **_bias_args(bias), **_rab_args(rab),
-        DO=jagged(dout), DQ=jagged(dq), QTAB=qtab, n_flat=nqb, dq_scale=alpha * scale,
+        (qm["n_flat"], nheads),
+        **qm, **inputs, **_bias_args(bias), **_rab_args(rab), DQ=jagged(dq), dq_scale=alpha * scale,
     )
     dk, dv = _new_like(k), _new_like(v)
-    km = vis.cached_args(offs, ("key-major", tkv, args["DIM_QK"], args["DIM_V"], max_seq_len, nheads, interpreting),
-                         lambda: _key_major_args(plan, vis, tkv, max_seq_len, nheads, interpreting, q.device, args))
+    j_dk, j_dv = jagged(dk), jagged(dv)
+    km = vis.cached_args(offs, ("key-major", tkv, dqk, dv_dim, max_seq_len, nheads, interpreting),
+                         lambda: _key_major_args(plan, vis, tkv, max_seq_len, nheads, interpreting, q.device, static))
     zero = km["zero_split_rows"]
     if zero is not None:
-        _ZERO_SPLIT_ROWS.launch(zero["grid"], **zero["args"], DK=jagged(dk), DV=jagged(dv))
+        _ZERO_SPLIT_ROWS.launch(zero["grid"], **zero["args"], DK=j_dk, DV=j_dv)
+    kmargs = vis.cached_args(
+        offs, ("key-major args", tkv, dqk, dv_dim, max_seq_len, nheads, interpreting, floor, precision, scaled),
+        lambda: dict(static, **km["args"], HAS_ATTN_SCALE=scaled))
     grads = {"BIAS_GRAD": True} if bias is not None and bias.args.dpos.numel() else {}
     if rab is not None:
         grads.update(_rab_args(rab))
@@ -185,8 +204,8 @@ def backward(dout, q, k, v, offs, vis: Visibility, alpha: float, out_scale: floa
             shared = nheads > 1 and (drab.dim() == 3 or drab.shape[1] == 1)  # the heads' programs meet
             grads.update(DRAB=rab_args(drab), RAB_GRAD=True, RAB_SHARED=shared)
     for bias_kw in bias_passes(bias):
-        _DKDV.launch(km["grid"], **args, **km["args"], **bias_kw, **grads, DO=jagged(dout), DK=jagged(dk),
-                     DV=jagged(dv), dk_scale=alpha * scale, dv_scale=scale)
+        _DKDV.launch(km["grid"], **kmargs, **inputs, **bias_kw, **grads, DK=j_dk, DV=j_dv, dk_scale=alpha * scale,
+                     dv_scale=scale)
     return dq, dk, dv
 
 
