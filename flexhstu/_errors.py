@@ -100,6 +100,11 @@ def as_bool(arg: str, value: object) -> bool:
 
 def as_finite(arg: str, value: object) -> float:
     """``value`` (a real number, not bool or tensor) as a finite Python float."""
+    t = type(value)
+    if t is float or t is int:  # the common cases, without the ABC check below (a non-finite one raises there)
+        out = float(value)
+        if math.isfinite(out):
+            return out
     if isinstance(value, (bool, torch.Tensor)) or not isinstance(value, numbers.Real):
         raise bad_type(arg, "a real number", type(value).__name__)
     out = float(value)

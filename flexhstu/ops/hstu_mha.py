@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from .._errors import as_alpha, as_bool, as_int, as_scaling, as_span, bad_type, bad_value
+from .._errors import SPAN_MAX, as_alpha, as_bool, as_int, as_scaling, as_span, bad_type, bad_value
 from ..jagged import (
     can_read_values,
     check_lengths_at_most,
@@ -155,9 +155,16 @@ def _checked_call(
 ) -> _Call:
     _check_qkv(q, k, v)
     check_offsets_meta(seq_offsets)
-    _check_same_device(
-        q, seq_offsets=seq_offsets, num_targets=rule.num_targets, attn_func=attn_func, attn_scale=attn_scale
-    )
+    device, num_targets = q.device, rule.num_targets
+    if not (  # every tensor given on q's device (the common case, read directly), else the check says which is not
+        seq_offsets.device == device
+        and (num_targets is None or not isinstance(num_targets, torch.Tensor) or num_targets.device == device)
+        and (attn_func is None or not isinstance(attn_func, torch.Tensor) or attn_func.device == device)
+        and (attn_scale is None or not isinstance(attn_scale, torch.Tensor) or attn_scale.device == device)
+    ):
+        _check_same_device(
+            q, seq_offsets=seq_offsets, num_targets=num_targets, attn_func=attn_func, attn_scale=attn_scale
+        )
     max_seq_len = as_int("max_seq_len", max_seq_len)
     rule = _checked_rule(rule, seq_offsets.numel() - 1)
     if attn_func is not None:
@@ -186,6 +193,23 @@ def _checked_call(
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_name: str = "q") -> None:
     """Types, ranks, dtypes, heads and head dims of the attention inputs. With ``q_name="q"`` (training) k
     and v have q's rows; otherwise (``delta_q``, serving) v has k's rows and q is a subset of them."""
+    if q_name == "q" and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
+        # What the loops below check, read once (every call passes here): any failure is left to them to name.
+        qs, ks, vs, dtype = q.shape, k.shape, v.shape, q.dtype
+        if (
+            len(qs) == 3
+            and len(ks) == 3
+            and len(vs) == 3
+            and dtype in _FLOAT_DTYPES
+            and k.dtype == dtype
+            and v.dtype == dtype
+            and ks[0] == qs[0]
+            and vs[0] == qs[0]
+            and ks[1] == qs[1]
+            and vs[1] == qs[1]
+            and ks[2] == qs[2]
+        ):
+            return
     for name, x in ((q_name, q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise bad_type(name, "a torch.Tensor", type(x).__name__)
@@ -212,6 +236,19 @@ def _check_same_device(q: torch.Tensor, **tensors: torch.Tensor | None) -> None:
 
 
 def _checked_rule(rule: FixedRule, batch: int) -> FixedRule:
+    causal, num_targets, window, contextual, min_full = rule
+    if (
+        (causal is True or causal is False)
+        and type(window) is int
+        and type(contextual) is int
+        and type(min_full) is int
+        and 0 <= window <= SPAN_MAX
+        and 0 <= contextual <= SPAN_MAX
+        and 0 <= min_full <= SPAN_MAX
+    ):  # what as_bool and as_span leave unchanged (the common case): only num_targets is left to check
+        if num_targets is not None:
+            check_num_targets_meta(num_targets, batch)
+        return rule
     causal = as_bool("causal", rule.causal)  # "no" or None would pass a truth test
     if rule.num_targets is not None:
         check_num_targets_meta(rule.num_targets, batch)
@@ -222,8 +259,12 @@ def _checked_rule(rule: FixedRule, batch: int) -> FixedRule:
 
 
 def _check_func_alone(attn_func: torch.Tensor, rule: FixedRule, q: torch.Tensor) -> None:
-    defaults = FixedRule()
-    extra = [name for name, val, default in zip(rule._fields, rule, defaults) if val is not default and val != default]
+    causal, num_targets, window, contextual, min_full = rule
+    if not (causal is True and num_targets is None and window == 0 and contextual == 0 and min_full == 0):
+        defaults = FixedRule()
+        extra = [n for n, val, default in zip(rule._fields, rule, defaults) if val is not default and val != default]
+    else:  # every argument at its default (the common case)
+        extra = []
     if extra:
         raise ValueError(
             f"attn_func: the func alone decides visibility; leave {', '.join(extra)} at the default "
@@ -259,6 +300,8 @@ def _checked_bias(rel_bias, rab, q: torch.Tensor, batch: int, max_seq_len: int):
 
 
 def _probability(dropout_pr: object) -> float:
+    if type(dropout_pr) is float and 0.0 <= dropout_pr < 1.0:  # the common case: as below, without the ABC check
+        return dropout_pr
     if isinstance(dropout_pr, (bool, torch.Tensor)) or not isinstance(dropout_pr, numbers.Real):
         raise bad_type("dropout_pr", "a probability in [0, 1)", type(dropout_pr).__name__)
     p = float(dropout_pr)
@@ -295,10 +338,11 @@ def _assert_values_on_device(seq_offsets, total: int, num_targets: torch.Tensor 
 
 
 def _choose_backend(kernel: Kernel | str, call: _Call) -> Kernel:
-    try:
-        kernel = Kernel(kernel)
-    except ValueError:
-        raise bad_value("kernel", f"one of {[k.value for k in Kernel]}", repr(kernel)) from None
+    if type(kernel) is not Kernel:  # Kernel(a member) is the member; the enum's call costs a microsecond
+        try:
+            kernel = Kernel(kernel)
+        except ValueError:
+            raise bad_value("kernel", f"one of {[k.value for k in Kernel]}", repr(kernel)) from None
     if kernel == Kernel.AUTO:
         reason = _triton_reason(call)
         return Kernel.TRITON if call.q.is_cuda and reason is None else Kernel.PYTORCH

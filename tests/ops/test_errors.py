@@ -151,6 +151,54 @@ CASES = [
         ValueError,
         r"kernel: expected one of \['auto', 'pytorch', 'triton', 'cutlass'\], got 'fast'",
     ),
+    # What the checks' fast paths (the common case read directly) must leave to the full checks, which name it.
+    (
+        dict(k=torch.randn(8, 2, 4).double()),
+        TypeError,
+        r"k.dtype: expected the dtype of q \(torch.float32\), got torch.float64",
+    ),
+    (
+        dict(v=torch.randn(8, 2, 4).half()),
+        TypeError,
+        r"v.dtype: expected the dtype of q \(torch.float32\), got torch.float16",
+    ),
+    (dict(v=torch.randn(7, 2, 4)), ValueError, r"v.shape\[0\]: expected the rows of q \(8\), got 7"),
+    (dict(q=torch.randn(8, 2)), ValueError, r"q: expected a 3-D jagged tensor \(total, H, D\), got shape \(8, 2\)"),
+    (dict(q=[1.0]), TypeError, r"q: expected a torch.Tensor, got list"),
+    (
+        dict(num_targets=torch.tensor([1, 1], device="meta")),
+        ValueError,
+        r"num_targets.device: expected the device of q \(cpu\), got meta",
+    ),
+    (
+        dict(seq_offsets=torch.tensor([0, 5, 8], device="meta")),
+        ValueError,
+        r"seq_offsets.device: expected the device of q \(cpu\), got meta",
+    ),
+    (
+        dict(attn_func=torch.zeros(1, 3, 8, dtype=torch.int32, device="meta")),
+        ValueError,
+        r"attn_func.device: expected the device of q \(cpu\), got meta",
+    ),
+    (dict(max_attn_len=-1), ValueError, r"max_attn_len: expected a non-negative int, got -1"),
+    (dict(contextual_seq_len=True), TypeError, r"contextual_seq_len: expected a non-negative int \(not a bool\)"),
+    (dict(min_full_attn_seq_len=2.0), TypeError, r"min_full_attn_seq_len: expected a non-negative int, got float"),
+    (dict(dropout_pr=1.0), ValueError, r"dropout_pr: expected a probability in \[0, 1\), got 1.0"),
+    (dict(dropout_pr=np.float64(1.5)), ValueError, r"dropout_pr: expected a probability in \[0, 1\), got 1.5"),
+    (dict(scaling_seqlen=True), TypeError, r"scaling_seqlen: expected a real number, got bool"),
+    (dict(alpha=True), TypeError, r"alpha: expected a real number, got bool"),
+    (dict(alpha=np.float32("nan")), ValueError, r"alpha: expected a finite number, got nan"),
+    (
+        dict(attn_func=torch.zeros(1, 3, 8, dtype=torch.int32), causal=False),
+        ValueError,
+        r"attn_func: the func alone decides visibility; leave causal at the default",
+    ),
+    (
+        dict(attn_func=torch.zeros(1, 3, 8, dtype=torch.int32), min_full_attn_seq_len=2),
+        ValueError,
+        r"leave min_full_attn_seq_len at the default",
+    ),
+    (dict(kernel=None), ValueError, r"kernel: expected one of \['auto', 'pytorch', 'triton', 'cutlass'\], got None"),
 ]
 
 
@@ -169,6 +217,21 @@ def test_triton_on_cpu_without_the_interpreter_says_why(batch, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match=r"q.device: expected CUDA for Kernel.TRITON .*, got cpu"):
         call(batch, kernel=Kernel.TRITON)
+
+
+@pytest.mark.parametrize(
+    "kw,plain",
+    [
+        (dict(max_attn_len=np.int64(3)), dict(max_attn_len=3)),
+        (dict(contextual_seq_len=np.int32(1), max_attn_len=2), dict(contextual_seq_len=1, max_attn_len=2)),
+        (dict(causal=np.bool_(True)), dict(causal=True)),
+        (dict(kernel="pytorch"), dict(kernel=Kernel.PYTORCH)),
+        (dict(dropout_pr=np.float64(0.0)), dict(dropout_pr=0.0)),
+        (dict(scaling_seqlen=np.float64(4.0), alpha=np.float32(0.5)), dict(scaling_seqlen=4.0, alpha=0.5)),
+    ],
+)
+def test_inputs_the_fast_checks_leave_to_the_full_ones_run_as_their_plain_forms(batch, kw, plain):
+    torch.testing.assert_close(call(batch, **kw), call(batch, **plain), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("kind", [np.int64, np.int32, np.uint8, int])
