@@ -160,13 +160,17 @@ class _HstuAttention(torch.autograd.Function):
         q, k, v, offs, _, _, attn_scale, rab = ctx.saved_tensors
         plan, alpha, out_scale, max_seq_len, tile_set, bias, tables = ctx.rest
         pos_w, ts_w, timestamps = tables
-        needs = _needs_grad(_EagerInputs, ctx)
-        table_grads = pos_w is not None and (needs.pos_w or needs.ts_w)
-        if bias is not None and table_grads:
-            bias = bias_tables.with_grad_buffers(bias)
-        drab = _rab_grad_buffer(rab, needs.rab)
+        table_grads, drab = False, None
+        if pos_w is not None or rab is not None:  # without a bias only q, k and v have gradients
+            needs = _needs_grad(_EagerInputs, ctx)
+            table_grads = pos_w is not None and (needs.pos_w or needs.ts_w)
+            if bias is not None and table_grads:
+                bias = bias_tables.with_grad_buffers(bias)
+            drab = _rab_grad_buffer(rab, needs.rab)
         dq, dk, dv = backward(dout, q, k, v, offs, plan.vis, alpha, out_scale, max_seq_len, attn_scale, plan,
                               tile_set, bias, rab, drab)
+        if not table_grads and drab is None:
+            return (dq, dk, dv, *_NO_GRADS_BUT_QKV)  # as _grads would: the others' are None
         dpos = dts = None
         if table_grads:
             dpos, dts = _table_grads(pos_w, ts_w, timestamps, bias)
@@ -175,6 +179,8 @@ class _HstuAttention(torch.autograd.Function):
 
 
 _EagerInputs = _inputs_of(_HstuAttention.forward, "_EagerInputs")
+assert _EagerInputs._fields[:3] == ("q", "k", "v")
+_NO_GRADS_BUT_QKV = (None,) * (len(_EagerInputs._fields) - 3)
 
 
 def _check_attn_scale(attn_scale: torch.Tensor, total: int, device: torch.device) -> None:
@@ -255,5 +261,8 @@ def triton_hstu_mha(q, k, v, seq_offsets, *, func=None, num_targets=None, causal
         block = BlockPlan(offs, q.shape[0], visibility(func, num_targets, causal_closed_form, contextual, window,
                                                        min_full, max_seq_len=max_seq_len))
     vis = block.vis
+    # The bias arguments only when there is a bias: autograd.Function.apply costs per argument (0.8 us for the four
+    # Nones), and the forward's defaults are those Nones.
+    bias_args = () if rel_bias is None and rab is None else (*tables, rab)
     return _HstuAttention.apply(q, k, v, block.offs, vis.func, vis.num_targets, attn_scale, block, alpha, out_scale,
-                                max_seq_len, *tables, rab)
+                                max_seq_len, *bias_args)
