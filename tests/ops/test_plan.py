@@ -340,6 +340,28 @@ def test_a_plans_kept_launch_arguments_follow_each_calls_alpha_dtype_head_dims_a
             torch.testing.assert_close(g, w, **tol, msg=lambda m, c=c: f"{c}: {m}")
 
 
+def test_a_plans_kept_launch_arguments_follow_each_calls_heads_and_attn_scale():
+    # The launches' kept arguments (Visibility.cached_args) are keyed by the heads too (the dK/dV grid) and by
+    # whether attn_scale is given (HAS_ATTN_SCALE): calls on one plan that alternate them must each run on theirs.
+    offs = offsets_from(LENGTHS).to(DEVICE)
+    total, n = sum(LENGTHS), max(LENGTHS)
+    kw = plan_kwargs("sla", offs, LENGTHS)
+    plan = build_plan(offs, total=total, max_seq_len=n, **kw)
+    g = torch.Generator().manual_seed(3)
+    scale = (torch.rand(total, generator=g) + 0.5).to(DEVICE)
+    for heads, attn_scale in ((2, None), (2, scale), (1, scale), (1, None), (2, None), (2, scale)):
+        q, k, v = (torch.randn(total, heads, 16, generator=g).to(DEVICE).requires_grad_() for _ in range(3))
+        extra = dict(scaling_seqlen=n) if attn_scale is None else dict(attn_scale=attn_scale)
+        args = (n, 0.3, q, k, v, offs)
+        out = flexhstu.hstu_mha(*args, attn_plan=plan, kernel=Kernel.TRITON, **extra, **kw)
+        ref = flexhstu.hstu_mha(*args, kernel=Kernel.PYTORCH, **extra, **kw)
+        what = f"heads {heads}, attn_scale {attn_scale is not None}"
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5, msg=lambda m, w=what: f"{w}: {m}")
+        dout = torch.randn_like(out)
+        for g_, w_ in zip(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(ref, (q, k, v), dout)):
+            torch.testing.assert_close(g_, w_, rtol=1e-4, atol=1e-5, msg=lambda m, w=what: f"{w}: {m}")
+
+
 def test_the_kept_attention_arguments_follow_alpha_and_the_bias():
     # FLOOR_SCORES (silu.finite_below) is on for |alpha| > 1 or a bias: a kept argument set of another call
     # would give NaN for -inf scores (the equality test above cannot make one).

@@ -48,7 +48,11 @@ def _interpreting() -> bool:
 
 
 def _new_like(x: torch.Tensor, *shape: int) -> torch.Tensor:
-    out = torch.empty(*(shape or x.shape), dtype=x.dtype, device=x.device)
+    """A contiguous uninitialised tensor of ``x``'s dtype and device, of ``shape`` or ``x``'s shape."""
+    if shape:
+        out = torch.empty(*shape, dtype=x.dtype, device=x.device)
+    else:  # the same tensor as torch.empty(*x.shape, ...), made in less host time
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
     return out.fill_(float("nan")) if poisoning() else out
 
 
@@ -71,22 +75,22 @@ def _attention_args(q, k, v, offs, vis: Visibility, alpha: float, interpreting: 
     a dense rab) a score can be -inf whatever alpha (a -inf entry hiding a pair), so the scores are floored
     (``silu.finite_below``); with ``|alpha| <= 1`` and no bias they cannot, and the kernels skip that step.
     All but Q, K, V and alpha are made once per mask and offsets (``Visibility.cached_args``)."""
-    static = _static_args(offs, vis, q.shape[2], v.shape[2], interpreting, abs(alpha) > 1.0 or biased, q.dtype)
+    floor, precision = abs(alpha) > 1.0 or biased, dot_precision(q.dtype)
+    static = _static_args(offs, vis, q.shape[2], v.shape[2], interpreting, floor, precision)
     return dict(static, Q=jagged(q), K=jagged(k), V=jagged(v), alpha=alpha)
 
 
-def _static_args(offs, vis: Visibility, dqk: int, dv: int, interpreting: bool, floor: bool, dtype) -> dict:
+def _static_args(offs, vis: Visibility, dqk: int, dv: int, interpreting: bool, floor: bool, precision: str) -> dict:
     """``_attention_args`` but Q, K, V and alpha, kept (``Visibility.cached_args``): FLOOR_SCORES is ``floor``,
-    DOT_PRECISION follows ``dtype``."""
-    precision = dot_precision(dtype)
+    DOT_PRECISION ``precision``."""
     return vis.cached_args(offs, ("attention", dqk, dv, interpreting, floor, precision), lambda: dict(
         OFFS=offs, DIM_QK=dqk, DIM_V=dv, TILE_QK=tile_dim(dqk), TILE_V=tile_dim(dv), FAST_SIGMOID=not interpreting,
         FLOOR_SCORES=floor, DOT_PRECISION=precision, **vis.kernel_args(offs)))
 
 
 def _query_major_args(plan: BlockPlan, vis: Visibility, tile, static: dict, scaled: bool) -> dict:
-    """A query-major launch's (forward, dQ) arguments that depend on the plan and the call's class only, kept
-    (``Visibility.cached_args``, keyed by ``static``'s key, the tile and ``scaled``): ``static``
+    """A query-major launch's (forward, dQ) arguments that depend on the plan and the call's class only (kept by
+    the caller, ``Visibility.cached_args``, keyed by ``static``'s key, the tile and ``scaled``): ``static``
     (``_static_args``), the tile's, HAS_ATTN_SCALE, the block table QTAB and its length ``n_flat``."""
     qtab, nqb = plan.tables.table(tile.block_m)
     return dict(static, **tile.launch(), HAS_ATTN_SCALE=scaled, QTAB=qtab, n_flat=nqb)
@@ -143,9 +147,9 @@ def forward(q, k, v, offs, vis: Visibility, alpha: float, out_scale: float,
     plan = plan if plan is not None else BlockPlan(offs, total, vis)
     offs = plan.offs  # safe offsets (BlockPlan.offs): the kernels never follow the caller's
     dqk, dv, floor, scaled = q.shape[2], v.shape[2], abs(alpha) > 1.0 or biased, attn_scale is not None
-    static = _static_args(offs, vis, dqk, dv, interpreting, floor, q.dtype)
-    qm = vis.cached_args(offs, ("query-major", tile, dqk, dv, interpreting, floor, static["DOT_PRECISION"], scaled),
-                         lambda: _query_major_args(plan, vis, tile, static, scaled))
+    precision = dot_precision(q.dtype)
+    qm = vis.cached_args(offs, ("forward", tile, dqk, dv, interpreting, floor, precision, scaled), lambda: (
+        _query_major_args(plan, vis, tile, _static_args(offs, vis, dqk, dv, interpreting, floor, precision), scaled)))
     _FORWARD.launch(
         (qm["n_flat"], nheads),
         **qm, **_bias_args(bias), **_rab_args(rab), Q=jagged(q), K=jagged(k), V=jagged(v), OUT=jagged(out),
@@ -174,29 +178,26 @@ def backward(dout, q, k, v, offs, vis: Visibility, alpha: float, out_scale: floa
     plan = plan if plan is not None else BlockPlan(offs, total, vis)
     offs = plan.offs  # safe offsets (BlockPlan.offs): the kernels never follow the caller's
     dqk, dv_dim, floor, scaled = q.shape[2], v.shape[2], abs(alpha) > 1.0 or biased, attn_scale is not None
-    static = _static_args(offs, vis, dqk, dv_dim, interpreting, floor, q.dtype)
-    precision = static["DOT_PRECISION"]
+    precision = dot_precision(q.dtype)
+    # The launches' kept arguments, in one look-up (_backward_args).
+    qm, km, kmargs = vis.cached_args(
+        offs, ("backward", tq, tkv, dqk, dv_dim, interpreting, floor, precision, scaled, max_seq_len, nheads),
+        lambda: _backward_args(plan, vis, offs, tq, tkv, dqk, dv_dim, interpreting, floor, precision, scaled,
+                               max_seq_len, nheads, q.device))
     # What every launch below reads per call: the inputs, the output gradient, the per-row scale (when given;
     # ``offs`` is a never-read stand-in), alpha.
     inputs = dict(Q=jagged(q), K=jagged(k), V=jagged(v), DO=jagged(dout), ATTN_SCALE=attn_scale if scaled else offs,
                   alpha=alpha)
     scale = 1.0 if scaled else out_scale  # attn_scale replaces out_scale, row by row
-    qm = vis.cached_args(offs, ("query-major", tq, dqk, dv_dim, interpreting, floor, precision, scaled),
-                         lambda: _query_major_args(plan, vis, tq, static, scaled))
     _DQ.launch(
         (qm["n_flat"], nheads),
         **qm, **inputs, **_bias_args(bias), **_rab_args(rab), DQ=jagged(dq), dq_scale=alpha * scale,
     )
     dk, dv = _new_like(k), _new_like(v)
     j_dk, j_dv = jagged(dk), jagged(dv)
-    km = vis.cached_args(offs, ("key-major", tkv, dqk, dv_dim, max_seq_len, nheads, interpreting),
-                         lambda: _key_major_args(plan, vis, tkv, max_seq_len, nheads, interpreting, q.device, static))
     zero = km["zero_split_rows"]
     if zero is not None:
         _ZERO_SPLIT_ROWS.launch(zero["grid"], **zero["args"], DK=j_dk, DV=j_dv)
-    kmargs = vis.cached_args(
-        offs, ("key-major args", tkv, dqk, dv_dim, max_seq_len, nheads, interpreting, floor, precision, scaled),
-        lambda: dict(static, **km["args"], HAS_ATTN_SCALE=scaled))
     grads = {"BIAS_GRAD": True} if bias is not None and bias.args.dpos.numel() else {}
     if rab is not None:
         grads.update(_rab_args(rab))
@@ -207,6 +208,17 @@ def backward(dout, q, k, v, offs, vis: Visibility, alpha: float, out_scale: floa
         _DKDV.launch(km["grid"], **kmargs, **inputs, **bias_kw, **grads, DK=j_dk, DV=j_dv, dk_scale=alpha * scale,
                      dv_scale=scale)
     return dq, dk, dv
+
+
+def _backward_args(plan: BlockPlan, vis: Visibility, offs, tq, tkv, dqk: int, dv: int, interpreting: bool,
+                   floor: bool, precision: str, scaled: bool, max_seq_len: int, nheads: int, device) -> tuple:
+    """The backward's kept arguments (``Visibility.cached_args``): the dQ launch's (``_query_major_args``), the
+    key-major ones (``_key_major_args``, kept on their own, keyed by what they depend on: they launch kernels
+    when made), and the dK/dV launch's (the attention arguments, the key-major ones, HAS_ATTN_SCALE)."""
+    static = _static_args(offs, vis, dqk, dv, interpreting, floor, precision)
+    km = vis.cached_args(offs, ("key-major", tkv, dqk, dv, max_seq_len, nheads, interpreting),
+                         lambda: _key_major_args(plan, vis, tkv, max_seq_len, nheads, interpreting, device, static))
+    return _query_major_args(plan, vis, tq, static, scaled), km, dict(static, **km["args"], HAS_ATTN_SCALE=scaled)
 
 
 def _key_major_args(plan: BlockPlan, vis: Visibility, tkv, max_seq_len: int, nheads: int, interpreting: bool,
