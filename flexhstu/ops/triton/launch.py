@@ -68,15 +68,21 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "tf32"
 
 
+def _call_class(q, v, alpha: float, biased: bool) -> tuple[int, int, bool, str]:
+    """What a call's kept arguments depend on besides the mask, the tiles and the switches: the head dims, FLOOR_SCORES
+    and the dot precision. FLOOR_SCORES: with ``|alpha| > 1`` a finite ``q.k`` can overflow to -inf in ``alpha
+    q.k``, and with a bias (``biased``: tables or a dense rab) a score can be -inf whatever alpha (a -inf entry
+    hiding a pair), so the scores are floored (``silu.finite_below``); with ``|alpha| <= 1`` and no bias they
+    cannot, and the kernels skip that step."""
+    return q.shape[2], v.shape[2], abs(alpha) > 1.0 or biased, dot_precision(q.dtype)
+
+
 def _attention_args(q, k, v, offs, vis: Visibility, alpha: float, interpreting: bool, biased: bool = False) -> dict:
     """Arguments of the three attention kernels: Q, K, V, the mask, the head dims, the sigmoid switch
-    (tanh.approx on the GPU; the interpreter has no inline PTX), the dot precision, and FLOOR_SCORES: with
-    ``|alpha| > 1`` a finite ``q.k`` can overflow to -inf in ``alpha q.k``, and with a bias (``biased``: tables or
-    a dense rab) a score can be -inf whatever alpha (a -inf entry hiding a pair), so the scores are floored
-    (``silu.finite_below``); with ``|alpha| <= 1`` and no bias they cannot, and the kernels skip that step.
-    All but Q, K, V and alpha are made once per mask and offsets (``Visibility.cached_args``)."""
-    floor, precision = abs(alpha) > 1.0 or biased, dot_precision(q.dtype)
-    static = _static_args(offs, vis, q.shape[2], v.shape[2], interpreting, floor, precision)
+    (tanh.approx on the GPU; the interpreter has no inline PTX), the dot precision and FLOOR_SCORES
+    (``_call_class``). All but Q, K, V and alpha are made once per mask and offsets (``Visibility.cached_args``)."""
+    dqk, dv, floor, precision = _call_class(q, v, alpha, biased)
+    static = _static_args(offs, vis, dqk, dv, interpreting, floor, precision)
     return dict(static, Q=jagged(q), K=jagged(k), V=jagged(v), alpha=alpha)
 
 
@@ -146,8 +152,8 @@ def forward(q, k, v, offs, vis: Visibility, alpha: float, out_scale: float,
     tile = (tile_set or call_tiles(q, v, vis, biased)).forward
     plan = plan if plan is not None else BlockPlan(offs, total, vis)
     offs = plan.offs  # safe offsets (BlockPlan.offs): the kernels never follow the caller's
-    dqk, dv, floor, scaled = q.shape[2], v.shape[2], abs(alpha) > 1.0 or biased, attn_scale is not None
-    precision = dot_precision(q.dtype)
+    dqk, dv, floor, precision = _call_class(q, v, alpha, biased)
+    scaled = attn_scale is not None
     qm = vis.cached_args(offs, ("forward", tile, dqk, dv, interpreting, floor, precision, scaled), lambda: (
         _query_major_args(plan, vis, tile, _static_args(offs, vis, dqk, dv, interpreting, floor, precision), scaled)))
     _FORWARD.launch(
@@ -177,8 +183,8 @@ def backward(dout, q, k, v, offs, vis: Visibility, alpha: float, out_scale: floa
     _, tq, tkv = tile_set or call_tiles(q, v, vis, biased)
     plan = plan if plan is not None else BlockPlan(offs, total, vis)
     offs = plan.offs  # safe offsets (BlockPlan.offs): the kernels never follow the caller's
-    dqk, dv_dim, floor, scaled = q.shape[2], v.shape[2], abs(alpha) > 1.0 or biased, attn_scale is not None
-    precision = dot_precision(q.dtype)
+    dqk, dv_dim, floor, precision = _call_class(q, v, alpha, biased)
+    scaled = attn_scale is not None
     # The launches' kept arguments, in one look-up (_backward_args).
     qm, km, kmargs = vis.cached_args(
         offs, ("backward", tq, tkv, dqk, dv_dim, interpreting, floor, precision, scaled, max_seq_len, nheads),
