@@ -304,6 +304,63 @@ def test_bucket_of_is_the_reference_bucket_of_every_gap_around_the_edges_and_up_
         assert torch.equal(got.cpu().to(torch.int64), time_bucket(gaps, nb)), nb
 
 
+class _PairEdges(NamedTuple):
+    """What ``bias_tiles._pair_buckets`` reads of a ``bias_tables.Bias``."""
+
+    edges32: torch.Tensor
+    num_buckets: int
+
+
+@triton.jit
+def _pair_bucket_probe_kernel(edges, AI, BI, D, OUT, BM: tl.constexpr, BN: tl.constexpr, TRANS: tl.constexpr):
+    i = tl.program_id(0) * BM + tl.arange(0, BM)
+    ai = tl.load(AI + i)
+    bi = tl.load(BI + tl.arange(0, BN))
+    b = bias_tiles._pair_buckets(edges, ai, bi, tl.load(D), TRANS, "tf32")  # d: float64, as tiles have it
+    if TRANS:  # (keys, rows)
+        tl.store(OUT + i[None, :] * BN + tl.arange(0, BN)[:, None], b)
+    else:
+        tl.store(OUT + i[:, None] * BN + tl.arange(0, BN)[None, :], b)
+
+
+@pytest.mark.parametrize("trans", [False, True])
+def test_pair_buckets_are_the_reference_bucket_of_every_int32_gap(trans):
+    """``_pair_buckets`` (each pair's bucket in the tiles of many buckets: the gap in int32 modulo 2^32, an
+    estimate from its float32 bits, one edge load to raise it): both sides of every edge below 2^31 - 1 (the
+    estimate is non-decreasing, so ``E - 1`` and ``E`` of every edge bound it everywhere), 0, 1 and log-uniform
+    gaps, of both signs, with base differences ``d`` of 0 and beyond int32 (the int32 offsets then differ by
+    about the gap minus ``d``). An estimate above the bucket or two below, or an overflow in the fixed-point
+    estimate, moves some bucket."""
+    g = torch.Generator().manual_seed(1)
+    bm, bn = 64, 16
+    cols = torch.arange(bn, dtype=torch.int64)
+    for nb in (1, 10, 60, 128):
+        edges32 = bias_tables.edges_tensors(nb, torch.device(DEVICE))[1]
+        random = torch.exp(torch.rand(4000, generator=g, dtype=torch.float64) * 31 * math.log(2)).to(torch.int64)
+        targets = torch.cat([torch.tensor(edge_gaps(nb, 2**31 - 64) + [0, 1, 2, 3]), random.clamp(max=2**31 - 64)])
+        for d, sign in ((0, 1), (0, -1), (3 * 10**9, 1), (-(3 * 10**9), -1), (2**31 - 5, 1)):
+            gaps = sign * targets
+            # Offsets: the keys' times 2^30 + j (j < bn), the rows' such that row i's gap to key 0 is gaps[i].
+            keep = ((gaps - d + 2**30) >= 0) & ((gaps - d + 2**30) < 2**31 - 1) & ((gaps - bn).abs() < 2**31 - 1)
+            rows = gaps[keep]
+            rows = torch.cat([rows, rows[-1:].expand((-len(rows)) % bm)])
+            ai = (rows - d + 2**30).to(torch.int32)
+            bi = (2**30 + cols).to(torch.int32)
+            want = time_bucket(rows[:, None] - cols[None, :], nb)
+            got = torch.full((len(rows), bn), -1, dtype=torch.int32, device=DEVICE)
+            _pair_bucket_probe_kernel[(len(rows) // bm,)](
+                _PairEdges(edges32, nb),
+                ai.to(DEVICE),
+                bi.to(DEVICE),
+                torch.tensor([float(d)], dtype=torch.float64, device=DEVICE),
+                got,
+                BM=bm,
+                BN=bn,
+                TRANS=trans,
+            )
+            assert torch.equal(got.cpu().to(torch.int64), want), (nb, d, sign)
+
+
 def test_a_plan_with_the_bias_gives_the_plan_free_result():
     lengths = LENGTHS
     offs = offsets_from(lengths).to(DEVICE)

@@ -43,6 +43,7 @@ import triton.language as tl
 from .bias_tables import CHUNK, INT32_SPAN, SUMMARY_GRAIN, SUMMARY_SLOTS
 
 INT32_SPAN_F = tl.constexpr(float(INT32_SPAN))
+INT32_MAX = tl.constexpr(INT32_SPAN)
 CHUNK_ROWS = tl.constexpr(CHUNK)
 GRAIN = tl.constexpr(SUMMARY_GRAIN)
 SLOTS = tl.constexpr(SUMMARY_SLOTS)
@@ -253,16 +254,46 @@ def _time_steps(s, w, tsw, bias, ai, bi, d, b_lo, b_hi, TRANS: tl.constexpr, ONE
 
 
 @triton.jit
-def _add_time_steps(s, tsw, bias, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, sgn, TRANS: tl.constexpr):
-    """``s`` plus the time weight of every pair of an int32 tile (``add_bias``)."""
-    w = tl.load(tsw + b_lo)
-    s += w
-    if b_hi > b_lo:
+def _pair_buckets(bias, ai, bi, d, TRANS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Each pair's bucket, for a tile whose gaps ``|ai - bi + d|`` are all below ``INT32_SPAN``
+    (``_add_time_steps``): the gap in int32, an estimate from its float32 bits, one edge load to correct it.
+
+    The gap is exact: ``x + d`` taken modulo ``2^32`` (``d`` truncated to int32 after its int64 value) equals the
+    true gap, which lies strictly inside the int32 range. The estimate is ``bucket_of``'s from float32 bits, in
+    fixed point: the float's bits less 1.0's, over 2^23, read as ``log2`` are at most 0.0861
+    low, and 1179 / 512 is ``ln 2 / 0.301`` less 8e-5, so it is the bucket or the one below. It is never above:
+    the estimate is non-decreasing in the gap and at ``E[k] - 1`` at most ``k - 1`` for every edge below 2^31
+    (``tests/ops/test_bias_triton.py`` tries both sides of every edge). ``E[est + 1]`` (int32, saturated)
+    corrects it."""
+    x = ai[None, :] - bi[:, None] if TRANS else ai[:, None] - bi[None, :]
+    g = tl.abs(x + d.to(tl.int64).to(tl.int32))
+    bits = tl.maximum(g, 1).to(tl.float32).to(tl.int32, bitcast=True)
+    est = tl.minimum((((bits - (127 << 23)) >> 8) * 1179) >> 24, bias.num_buckets)
+    return est + tl.where(g >= _gather(bias.edges32 + est + 1, DOT_PRECISION, tl.int32), 1, 0)
+
+
+@triton.jit
+def _add_time_steps(s, tsw, bias, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, sgn, TRANS: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):
+    """``s`` plus the time weight of every pair of an int32 tile (``add_bias``): the lowest bucket's weight and
+    a step per edge for a tile of up to UNROLLED + 1 buckets; each pair's own bucket and weight
+    (``_pair_buckets``, two loads a pair) for a tile of more, the tiles near the diagonal, whose gaps run
+    from seconds to hours (under a window, most of the tiles), unless a gap may reach ``INT32_SPAN``."""
+    direct = b_hi - b_lo > UNROLLED
+    if direct:
+        direct = tl.load(bias.edges32 + b_hi + 1) < INT32_MAX  # every gap of the tile lies below that edge
+    if direct:
         av, bv = _tile_times(bias, seq_start, L, rows, cols, ai, bi, TRANS)
-        if sgn != 0:  # one compare per pair and edge: gaps of one sign, as sgn * gap >= 0
-            s = _time_steps(s, w, tsw, bias, av * sgn, bv * sgn, d * sgn, b_lo, b_hi, TRANS, True)
-        else:
-            s = _time_steps(s, w, tsw, bias, av, bv, d, b_lo, b_hi, TRANS, False)
+        s += _gather(tsw + _pair_buckets(bias, av, bv, d, TRANS, DOT_PRECISION), DOT_PRECISION)
+    else:
+        w = tl.load(tsw + b_lo)
+        s += w
+        if b_hi > b_lo:
+            av, bv = _tile_times(bias, seq_start, L, rows, cols, ai, bi, TRANS)
+            if sgn != 0:  # one compare per pair and edge: gaps of one sign, as sgn * gap >= 0
+                s = _time_steps(s, w, tsw, bias, av * sgn, bv * sgn, d * sgn, b_lo, b_hi, TRANS, True)
+            else:
+                s = _time_steps(s, w, tsw, bias, av, bv, d, b_lo, b_hi, TRANS, False)
     return s
 
 
@@ -280,8 +311,9 @@ def _add_wide_time_steps(s, tsw, bias, seq_start, L, rows, cols, TRANS: tl.const
 
 
 @triton.jit
-def _gather(ptrs, DOT_PRECISION: tl.constexpr):
-    """``tl.load(ptrs)`` of float32, in the layout ``ptrs`` has (the score tile's), without a layout conversion.
+def _gather(ptrs, DOT_PRECISION: tl.constexpr, DTYPE: tl.constexpr = tl.float32):
+    """``tl.load(ptrs)`` of float32 (or int32: DTYPE), in the layout ``ptrs`` has (the score tile's), without a
+    layout conversion.
 
     Triton's coalescing pass gives every ``tl.load`` of a pointer tile its own blocked layout and, the load being
     too large to recompute in another layout, converts the result to the score tile's MMA layout through shared
@@ -292,8 +324,9 @@ def _gather(ptrs, DOT_PRECISION: tl.constexpr):
     chain out of the next dot's operand layout, which repeats the tile across threads (sm_90, without it: 32
     times the tanh instructions and 7.5 KB of spills in the forward kernel)."""
     if _IN_PLACE and DOT_PRECISION != "ieee":
-        return tl.inline_asm_elementwise("ld.global.nc.f32 $0, [$1];", "=r,l", [ptrs.to(tl.int64, bitcast=True)],
-                                         dtype=tl.float32, is_pure=True, pack=1)
+        word = tl.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l", [ptrs.to(tl.int64, bitcast=True)],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+        return word.to(DTYPE, bitcast=True)
     else:
         return tl.load(ptrs)
 
@@ -323,9 +356,11 @@ def add_bias(s, bias, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, sgn, T
         if d != d:
             s = _add_wide_time_steps(s, tsw, bias, seq_start, L, rows, cols, TRANS)
         else:
-            s = _add_time_steps(s, tsw, bias, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, sgn, TRANS)
+            s = _add_time_steps(s, tsw, bias, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, sgn, TRANS,
+                                DOT_PRECISION)
     else:
-        s = _add_time_steps(s, tsw, bias, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, sgn, TRANS)
+        s = _add_time_steps(s, tsw, bias, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, sgn, TRANS,
+                            DOT_PRECISION)
     return s
 
 
