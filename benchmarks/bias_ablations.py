@@ -34,7 +34,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BIAS, DKDV = "ops/triton/bias_tiles.py", "ops/triton/backward.py"
 POS_GRAD = "    # Positions: diagonal sums"
-TIME_GRAD = "    prev = tl.sum(tl.sum(g, axis=1), axis=0)\n    if WIDE:"
+TIME_GRAD = "    # Time buckets: per bucket"
 POS_ATOMIC = 'tl.atomic_add(dpos + d, diag, mask=(uu[:, None] < NU) & (ee[None, :] < 2 * G - 1), sem="relaxed")'
 
 

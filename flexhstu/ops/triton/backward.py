@@ -242,7 +242,7 @@ def _key_block(Q, K, V, DO, DK, DV, func, rule, OFFS, KTAB, BOUNDS, QLO, QHI, it
                 store_rab_grad(DRAB, drab_b, L, rows, cols, ds32 * dv_scale, True, RAB_SHARED)
             if BIAS_GRAD:
                 bias_grad(BIAS, h, seq_start, L, ds, rows, cols, 0, bi, d, b_lo, b_hi, sgn, dv_scale,
-                          DOT_PRECISION, True, WIDE_PASS)
+                          DOT_PRECISION, True, WIDE_PASS, MODE != MODE_CAUSAL)
             acc_v += tl.dot(p, do, input_precision=DOT_PRECISION)
             acc_k += tl.dot(ds, q, input_precision=DOT_PRECISION)
         dk_ptrs = tile_ptrs(DK, cols_g, h, TILE_QK)
