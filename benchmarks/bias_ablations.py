@@ -97,6 +97,11 @@ VARIANTS = {
                 _replace("s = _add_wide_time_steps(s, tsw, bias, seq_start, L, rows, cols, TRANS)", "s = s"),
                 _replace(
                     "s = _add_time_steps(s, tsw, bias, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, sgn, TRANS,\n"
+                    "                                DOT_PRECISION)",
+                    "s = s",
+                ),
+                _replace(
+                    "s = _add_time_steps(s, tsw, bias, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, sgn, TRANS,\n"
                     "                            DOT_PRECISION)",
                     "s = s",
                 ),

@@ -28,7 +28,7 @@ from .hulls import block_is_full, interval_visibility
 from .memory import load_rows, store_rows, tile_mask, tile_ptrs
 from .query_major import key_block_scores, query_major_program
 from .rab_tiles import add_rab, rab_base, store_rab_grad
-from .row_intervals import MODE_CAUSAL, causal_bounds, head_func, sequence_targets
+from .row_intervals import MODE_CAUSAL, MODE_FUNC, causal_bounds, head_func, sequence_targets
 from .silu import finite_below, sigmoid
 
 
@@ -242,7 +242,7 @@ def _key_block(Q, K, V, DO, DK, DV, func, rule, OFFS, KTAB, BOUNDS, QLO, QHI, it
                 store_rab_grad(DRAB, drab_b, L, rows, cols, ds32 * dv_scale, True, RAB_SHARED)
             if BIAS_GRAD:
                 bias_grad(BIAS, h, seq_start, L, ds, rows, cols, 0, bi, d, b_lo, b_hi, sgn, dv_scale,
-                          DOT_PRECISION, True, WIDE_PASS, MODE != MODE_CAUSAL)
+                          DOT_PRECISION, True, WIDE_PASS, MODE == MODE_FUNC)
             acc_v += tl.dot(p, do, input_precision=DOT_PRECISION)
             acc_k += tl.dot(ds, q, input_precision=DOT_PRECISION)
         dk_ptrs = tile_ptrs(DK, cols_g, h, TILE_QK)

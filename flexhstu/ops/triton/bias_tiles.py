@@ -16,15 +16,19 @@ warps), takes the bucket of both ends (``bucket_of``: an estimate from the float
 loads, exact), and if the tile spans buckets ``b_lo .. b_hi`` compares each pair with the edges between them
 only: a tile of one bucket (most tiles of time-sorted events away from the diagonal) costs nothing per
 pair, and only a tile of several buckets reads the per-row times of the side that changes from tile to
-tile (the keys in the query-major kernels, the query rows in the key-major one). The bias goes straight
-into the score tile (no second tile held).
+tile (the keys in the query-major kernels, the query rows in the key-major one). A tile of more than
+UNROLLED + 1 buckets (near the diagonal) whose top edge lies below 2^31 - 1, which bounds every gap of it,
+takes each pair's bucket directly instead (``_pair_buckets``: the int32 gap, an estimate from its float32
+bits, one edge load) and gathers the weight. The bias goes straight into the score tile (no second tile held).
 
 Gradients (``bias_grad``, in the key-major dK/dV kernel, which holds ``dS^T`` of each tile): the bias
 gradient of a pair is ``dS`` (the gradient of the pre-silu score, already masked and scaled by the
 output scale). The tile is reduced first, then added atomically into float32 buffers:
 
 * time buckets: the tile's total, and for each edge ``k`` in ``b_lo + 1 .. b_hi`` the sum over pairs with
-  ``|gap| >= E[k]``; bucket ``b`` receives the difference of consecutive sums (one scalar atomic each);
+  ``|gap| >= E[k]``; bucket ``b`` receives the difference of consecutive sums (one scalar atomic each); under
+  a mask function (PAIR_GRADS), a tile whose pairs take their buckets directly sums per bucket inside each
+  warp instead, with one reduction across the warps and one vector atomic per 32 buckets (``_bucket_grads``);
 * positions, a sum along the tile's diagonals (``_diagonal_sums``): the tile is cut into ``G x G``
   sub-blocks, one matmul with a constant one-hot matrix gives every sub-block's ``2G - 1`` diagonal
   sums, a second (float32) matmul adds the sub-blocks that lie on the same block diagonal, and the
@@ -343,7 +347,8 @@ def add_bias(s, bias, h, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, sgn, T
 
     The position entry and the lowest bucket's weight first; then for each edge between ``b_lo`` and ``b_hi``
     the step to the next bucket's weight where the pair's gap reaches it (the float32 sum of the steps
-    differs from the weight by rounding only). ``d`` NaN (a wide chunk): the same from the int64 times, a
+    differs from the weight by rounding only), or in a tile of many buckets each pair's own weight
+    (``_add_time_steps``). ``d`` NaN (a wide chunk): the same from the int64 times, a
     branch compiled only with WIDE, which the programs of a sequence with a wide chunk run (``Bias.seq_wide``):
     in the other programs' loops it would hold registers that the common path then spills. DOT_PRECISION: the
     kernel's, which decides how the position entries are loaded (``_gather``).
@@ -454,10 +459,11 @@ def _time_grads(g, dts, bias, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, s
     """The time-bucket gradients of an int32 tile (``bias_grad``): with PAIR_GRADS, per bucket directly in a tile
     of many (``_bucket_grads``); else, and in the other tiles, by edge sums (``_summed_edge_grads``).
 
-    PAIR_GRADS is the interval masks' (``backward``): their walks visit the tiles near the diagonal, where a
-    tile's gaps span many buckets (SLA 256/32, H100: dK/dV 1170 -> 1047 us; random times 37 -> 22 ms for the
-    whole causal call). Not the causal kernel's: most of its tiles lie far below the diagonal in one bucket, and
-    the per-bucket path's registers (spills 320 -> 416 B) made them slower (dK/dV 4.70 -> 4.94 ms on an H100)."""
+    PAIR_GRADS is the mask-function kernels' (``backward``: MODE_FUNC, what SLA and OneRank run), where it was
+    measured (SLA 256/32, H100: dK/dV 1170 -> 1047 us; with random times the whole call 4.25 -> 2.66 ms). Not
+    the causal kernel's: most of its tiles lie far below the diagonal in one bucket, and the per-bucket path's
+    registers (spills 320 -> 416 B) made them slower (dK/dV 4.70 -> 4.94 ms on an H100); nor, until measured,
+    the fixed rule's, whose walks without a window are the causal ones."""
     if PAIR_GRADS:
         direct = b_hi - b_lo > UNROLLED
         if direct:
@@ -489,7 +495,7 @@ def bias_grad(bias, h, seq_start, L, ds, rows, cols, ai, bi, d, b_lo, b_hi, sgn,
     """Add this tile's table gradients into ``bias.dts`` and ``bias.dpos``: ``ds`` is the tile's masked
     gradient of the pre-silu scores divided by ``scale`` (``(cols, rows)`` when TRANS, else ``(rows, cols)``);
     the other arguments as for ``add_bias`` (``rows``, ``cols``: the tile's local positions, from its origin;
-    WIDE: the int64 path compiled in)."""
+    WIDE: the int64 path compiled in; PAIR_GRADS: ``_time_grads``)."""
     g = ds.to(tl.float32) * scale
     dts = bias.dts + h * bias.ts_stride_h
     # Time buckets: per bucket, or the sum over pairs whose gap reaches each edge, bucket b getting the difference
@@ -502,7 +508,7 @@ def bias_grad(bias, h, seq_start, L, ds, rows, cols, ai, bi, d, b_lo, b_hi, sgn,
                         PAIR_GRADS)
     else:
         _time_grads(g, dts, bias, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, sgn, TRANS, DOT_PRECISION,
-                        PAIR_GRADS)
+                    PAIR_GRADS)
     # Positions: diagonal sums of the tile, then one atomic per (block diagonal, offset).
     X: tl.constexpr = ds.shape[0]
     Y: tl.constexpr = ds.shape[1]
