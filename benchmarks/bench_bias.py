@@ -3,9 +3,10 @@
     PYTHONPATH=$PWD python benchmarks/bench_bias.py              # the two configurations of issue 14
     PYTHONPATH=$PWD python benchmarks/bench_bias.py --times random --json out.json
 
-Configurations: causal B4 S8192 H4 D128, and SLA (K1 256, K2 32) B4 S8192 H4 D128 under the plan an SLA model
+Configurations: causal B4 S8192 H4 D128, SLA (K1 256, K2 32) B4 S8192 H4 D128 under the plan an SLA model
 builds (``build_plan(..., sparse=True)``, the sparse tiles; until 2026-12-07 the SLA rows ran under the dense
-tiles of a call without a plan). The bias is the STU
+tiles of a call without a plan), and the fixed rule's window (``max_attn_len=256``) with its plan built once
+(from 2026-12-07: the kernels of the fixed rule and of mask functions differ in the bias gradients). The bias is the STU
 layer's (``flexhstu.nn.RelativeTimePositionBias``): one position table of ``2 S - 1`` entries and one table
 of 129 time buckets, shared by the heads, both requiring grad. Timestamps (``--times``):
 
@@ -94,6 +95,8 @@ def run(name: str, mask: str, args) -> dict:
     if mask == "sla":  # with the plan an SLA model builds for it (STUStack: sparse tiles where 4 (K1 + K2) <= S)
         func = masks.sla(offs, 256, 32, total=total)
         kw = {"attn_func": func, "attn_plan": build_plan(offs, total=total, max_seq_len=n, attn_func=func, sparse=True)}
+    elif mask == "window":  # the fixed rule's window (max_attn_len), with the plan built once as a model would
+        kw = {"max_attn_len": 256, "attn_plan": build_plan(offs, total=total, max_seq_len=n, max_attn_len=256)}
     pos_w = (torch.randn(2 * n - 1, device="cuda") * 0.02).requires_grad_(True)
     ts_w = (torch.randn(129, device="cuda") * 0.02).requires_grad_(True)
     bias = RelativeBias(pos_w, ts_w, timestamps(lengths, args.times).cuda())
@@ -149,7 +152,7 @@ def main() -> int:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--only", default="", help="comma-separated name prefixes (causal, sla)")
+    p.add_argument("--only", default="", help="comma-separated name prefixes (causal, sla, window)")
     p.add_argument("--kernels", action="store_true", help="also per-kernel device times (torch.profiler)")
     p.add_argument(
         "--tiles",
@@ -166,6 +169,7 @@ def main() -> int:
     configs = [
         (f"causal B{args.batch} S{args.seq} H{args.heads} D{args.dim}", "causal"),
         (f"sla 256/32 B{args.batch} S{args.seq} H{args.heads} D{args.dim}", "sla"),
+        (f"window 256 B{args.batch} S{args.seq} H{args.heads} D{args.dim}", "window"),
     ]
     if args.only:
         keep = tuple(x.strip() for x in args.only.split(","))
