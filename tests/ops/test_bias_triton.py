@@ -183,6 +183,12 @@ def test_gaps_on_bucket_edges_and_any_number_of_buckets(num_buckets):
     check_against_reference([45, 23], "causal", per_head=False, positions=30, num_buckets=num_buckets, times="edges")
 
 
+def test_gaps_on_bucket_edges_under_a_mask_function_with_per_head_tables():
+    # A mask function's dK/dV kernel sums the time gradients per bucket in tiles of many buckets
+    # (bias_tiles._bucket_grads), which the causal kernel does not: every edge's both sides, per-head tables.
+    check_against_reference([45, 23], "random-per-head", per_head=True, positions=30, num_buckets=128, times="edges")
+
+
 def test_half_precision_inputs():
     check_against_reference(LENGTHS, "sla", per_head=True, positions=40, num_buckets=40, dtype=torch.float16)
 
