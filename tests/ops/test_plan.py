@@ -376,3 +376,30 @@ def test_the_kept_attention_arguments_follow_alpha_and_the_bias():
         for alpha, biased in ((0.3, False), (2.0, False), (0.3, True), (-1.5, False), (0.3, False))
     ]
     assert floors == [False, True, True, True, False]
+
+
+@pytest.mark.parametrize("tile", [(16, 32), (32, 64), (64, 64), (128, 64)])
+def test_the_window_bound_on_query_blocks_per_key_block_holds_and_is_tight(tile):
+    # Under a window alone the dK/dV launch is not split when this bound is at most its chunk (launch.
+    # window_query_blocks): it must hold for every key block, and be no bound for the other fixed rules.
+    from flexhstu.masks.rules import dense_fixed
+    from flexhstu.ops.triton.config import Tile
+    from flexhstu.ops.triton.launch import _NEVER_SPLIT, visibility, window_query_blocks
+
+    bm, bn = tile
+    lengths = [700, 259, 1]
+    offs = offsets_from(lengths)
+    n = max(lengths)
+    for w in (1, 5, 63, 64, 65, 200, 256):
+        bound = window_query_blocks(visibility(window=w), Tile(bm, bn, 4, 1))
+        dense = dense_fixed(offs, n, max_attn_len=w)[:, 0]  # (B, N, N): row sees key
+        worst = 0
+        for b, L in enumerate(lengths):
+            for n0 in range(0, L, bn):
+                rows = dense[b, :, n0 : n0 + bn].any(dim=1).nonzero().flatten()
+                if rows.numel():
+                    worst = max(worst, int(rows.max()) // bm - int(rows.min()) // bm + 1)
+        assert worst <= bound <= worst + 1, (w, worst, bound)
+    nt = torch.tensor([3, 3, 0])
+    for kw in (dict(window=8, num_targets=nt), dict(window=8, contextual=2), dict(window=8, min_full=4), {}):
+        assert window_query_blocks(visibility(**kw), Tile(bm, bn, 4, 1)) == _NEVER_SPLIT, kw

@@ -236,8 +236,9 @@ def _key_major_args(plan: BlockPlan, vis: Visibility, tkv, max_seq_len: int, nhe
     A key block's query range longer than ``chunk`` query blocks is cut into at most MAX_SPLIT pieces; its own
     program takes the first, workers scheduled before every key block take the rest from a list built on the
     device (``block_plan.SplitList``). ``max_seq_len`` only sizes the pieces: the last runs to the end of the range
-    whatever its length, and when no range can be longer than one piece nothing is split (and no launch outputs
-    left unzeroed; else only the rows of the split key blocks are zeroed, the others stored whole)."""
+    whatever its length, and when no range can be longer than one piece (by ``max_seq_len``, or by the window under a
+    window alone: ``window_query_blocks``) nothing is split (and no launch outputs left unzeroed; else only the rows
+    of the split key blocks are zeroed, the others stored whole)."""
     # Key-major pass: its query blocks (BLOCK_M) and key blocks (BLOCK_N) index the plan.
     km = plan.key_major(tkv)
     offs = plan.offs
@@ -248,7 +249,7 @@ def _key_major_args(plan: BlockPlan, vis: Visibility, tkv, max_seq_len: int, nhe
     q_blocks_max = max(1, -(-hint // tkv.block_m))
     max_split = 4 if interpreting else MAX_SPLIT
     chunk = 2 if interpreting else max(32, -(-q_blocks_max // max_split))
-    if q_blocks_max > chunk:
+    if min(q_blocks_max, window_query_blocks(vis, tkv)) > chunk:
         split = km.split_list(chunk, max_split)
         n_workers = 3 if interpreting else _workers(device)
     else:
@@ -265,6 +266,18 @@ def _key_major_args(plan: BlockPlan, vis: Visibility, tkv, max_seq_len: int, nhe
         **tkv.launch(), **lists, KTAB=km.ktab, BOUNDS=km.bounds, QLO=km.qlo, QHI=km.qhi, n_workers=n_workers,
         n_heads=nheads, plan_head=1 if vis.per_head() else 0, n_qblocks=km.n_qblocks, n_kblocks=km.n_kblocks,
         chunk=chunk))
+
+
+def window_query_blocks(vis: Visibility, tkv) -> int:
+    """At most how many of the dK/dV tile's query blocks see any one key block, from the mask's host fields alone:
+    under the fixed rule's window (``max_attn_len``) without targets, a contextual prefix or full-attention rows,
+    the keys ``n0 .. n0 + block_n - 1`` are seen by the rows ``n0 .. n0 + block_n - 1 + window`` only; other masks
+    are unbounded here (``_NEVER_SPLIT``). When it is at most the split's ``chunk`` nothing is split: no split list,
+    no zeroing launch, no idle workers (a bound too small would only make a program walk more than ``chunk``
+    query blocks: it still walks its whole range)."""
+    if vis.mode != _MODE_FIXED or vis.window <= 0 or vis.num_targets is not None or vis.contextual or vis.min_full:
+        return _NEVER_SPLIT
+    return (tkv.block_n - 1 + vis.window) // tkv.block_m + 2
 
 
 # The modes as plain ints, converted once at import: a tl.constexpr does not compare under torch.compile's
