@@ -133,6 +133,7 @@ def check_against_reference(
     alpha=0.3,
     scaling=50,
     dim=16,
+    row_scale=False,
 ):
     offs = offsets_from(lengths).to(DEVICE)
     kw = {
@@ -143,7 +144,12 @@ def check_against_reference(
     )
     bias = RelativeBias(pos_w, ts_w, ts)
     n = max(lengths)
-    out = flexhstu.hstu_mha(n, alpha, q, k, v, offs, scaling_seqlen=scaling, rel_bias=bias, kernel=Kernel.TRITON, **kw)
+    if row_scale:  # one factor per query row in place of 1 / scaling, signs and sizes mixed around its size
+        g = torch.Generator().manual_seed(5)
+        kw["attn_scale"] = ((torch.rand(sum(lengths), generator=g) * 4 - 1) / scaling).to(DEVICE)
+    else:
+        kw["scaling_seqlen"] = scaling
+    out = flexhstu.hstu_mha(n, alpha, q, k, v, offs, rel_bias=bias, kernel=Kernel.TRITON, **kw)
     # The reference in float32 from the same (possibly half) inputs.
     leaves = [x.detach().float().requires_grad_(True) for x in (q, k, v, pos_w, ts_w)]
     ref = flexhstu.hstu_mha(
@@ -151,7 +157,6 @@ def check_against_reference(
         alpha,
         *leaves[:3],
         offs,
-        scaling_seqlen=scaling,
         rel_bias=RelativeBias(*leaves[3:], ts),
         kernel=Kernel.PYTORCH,
         **kw,
@@ -187,6 +192,12 @@ def test_gaps_on_bucket_edges_under_a_mask_function_with_per_head_tables():
     # A mask function's dK/dV kernel sums the time gradients per bucket in tiles of many buckets
     # (bias_tiles._bucket_grads), which the causal kernel does not: every edge's both sides, per-head tables.
     check_against_reference([45, 23], "random-per-head", per_head=True, positions=30, num_buckets=128, times="edges")
+
+
+@pytest.mark.parametrize("mask", ["causal", "sla"])
+def test_a_per_row_attn_scale_scales_the_table_gradients_row_by_row(mask):
+    # The tables' gradients are sums of dS, which the rows' factors scale (inside the kernel that reduces them).
+    check_against_reference(LENGTHS, mask, per_head=True, positions=30, num_buckets=40, row_scale=True)
 
 
 def test_half_precision_inputs():
