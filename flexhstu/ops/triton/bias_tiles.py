@@ -464,15 +464,12 @@ def _time_grads(g, dts, bias, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, s
     the causal kernel's: most of its tiles lie far below the diagonal in one bucket, and the per-bucket path's
     registers (spills 320 -> 416 B) made them slower (dK/dV 4.70 -> 4.94 ms on an H100); nor, until measured,
     the fixed rule's, whose walks without a window are the causal ones."""
-    if PAIR_GRADS:
-        direct = b_hi - b_lo > UNROLLED
-        if direct:
-            direct = tl.load(bias.edges32 + b_hi + 1) < INT32_MAX  # as in _add_time_steps
-        if direct:
-            av, bv = _tile_times(bias, seq_start, L, rows, cols, ai, bi, TRANS)
-            _bucket_grads(g, dts, bias, av, bv, d, b_lo, b_hi, TRANS, DOT_PRECISION)
-        else:
-            _summed_edge_grads(g, dts, bias, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, sgn, TRANS)
+    direct = PAIR_GRADS and b_hi - b_lo > UNROLLED
+    if direct:
+        direct = tl.load(bias.edges32 + b_hi + 1) < INT32_MAX  # as in _add_time_steps
+    if direct:
+        av, bv = _tile_times(bias, seq_start, L, rows, cols, ai, bi, TRANS)
+        _bucket_grads(g, dts, bias, av, bv, d, b_lo, b_hi, TRANS, DOT_PRECISION)
     else:
         _summed_edge_grads(g, dts, bias, seq_start, L, rows, cols, ai, bi, d, b_lo, b_hi, sgn, TRANS)
 
