@@ -33,15 +33,16 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
-from flexhstu import masks
+from flexhstu import masks, quantize_fp8
 from flexhstu.jagged import offsets_from_lengths
 from flexhstu.ops.bias import RelativeBias
 from flexhstu.ops.triton import triton_hstu_mha
+from flexhstu.ops.triton.delta_op import triton_delta_hstu_mha
 
 TARGET = GPUTarget("cuda", 90, 32)
 BACKEND = make_backend(TARGET)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-SHOWN = ("MODE", "NFUNC", "DIM_QK", "DIM_V", "BLOCK_M", "BLOCK_N", "DOT_PRECISION", "HAS_BIAS", "HAS_RAB")
+SHOWN = ("MODE", "NFUNC", "DIM_QK", "DIM_V", "BLOCK_M", "BLOCK_N", "DOT_PRECISION", "HAS_BIAS", "HAS_RAB", "HAS_SCALES")
 seen: set[str] = set()
 failures: list[str] = []
 SASS_DIR = sys.argv[sys.argv.index("--sass") + 1] if "--sass" in sys.argv else None
@@ -123,6 +124,25 @@ def run(dtype, dqk, dv, case, bias=False, rab=False):
     torch.autograd.grad(out, inputs, torch.randn(total, 2, dv, dtype=dtype))
 
 
+def run_delta(dqk, dv, case, fp8=False):
+    """The delta (serving) forward on 40 new rows of each sequence, bf16 or e4m3 inputs (``flexhstu.quantize_fp8``)."""
+    lengths, new = [300, 77, 0, 129], [40, 40, 0, 40]
+    offs, q_offs = offsets_from_lengths(lengths), offsets_from_lengths(new)
+    q = torch.randn(sum(new), 2, dqk, dtype=torch.bfloat16)
+    k = torch.randn(sum(lengths), 2, dqk, dtype=torch.bfloat16)
+    v = torch.randn(sum(lengths), 2, dv, dtype=torch.bfloat16)
+    kw = dict(alpha=0.1, out_scale=1 / 300)
+    if case == "causal":
+        kw["causal_closed_form"] = True
+    elif case == "func3":
+        kw["func"] = masks.sla(offs, 20, 4)[:, :, : sum(new)]
+    if fp8:
+        (q, qs), (k, ks), (v, vs) = quantize_fp8(q), quantize_fp8(k), quantize_fp8(v)
+        kw["fp8_scales"] = (qs, ks, vs)
+    q_start = torch.tensor([260, 37, 0, 89])
+    triton_delta_hstu_mha(q, k, v, offs, q_offs, q_start, **kw)
+
+
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("unset TRITON_INTERPRET: this compiles for the GPU")
@@ -138,6 +158,10 @@ def main() -> int:
             run(torch.bfloat16, dqk, dv, case, bias=True)
             print(f"## bf16 Dqk{dqk} Dv{dv} {case} with a dense rab", flush=True)
             run(torch.bfloat16, dqk, dv, case, rab=True)
+        for case in ("causal", "func3"):
+            for fp8 in (False, True):
+                print(f"## delta {'e4m3' if fp8 else 'bf16'} Dqk{dqk} Dv{dv} {case}", flush=True)
+                run_delta(dqk, dv, case, fp8)
     torch.backends.cuda.matmul.allow_tf32 = False
     print("## fp32 IEEE dots, D 64, func3", flush=True)
     run(torch.float32, 64, 64, "func3")

@@ -45,7 +45,7 @@ def triton_unsupported_reason(
         return "kernel: expected a backend that is installed (Kernel.TRITON needs triton: pip install 'flexhstu[gpu]')"
     if not q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
         return f"q.device: expected CUDA for Kernel.TRITON (or the CPU under TRITON_INTERPRET=1), got {q.device}"
-    if q.dtype not in TRITON_DTYPES:
+    if q.dtype not in TRITON_DTYPES and q.dtype != torch.float8_e4m3fn:  # e4m3: delta_hstu_mha's fp8_scales
         return f"q.dtype: expected float16, bfloat16 or float32 for Kernel.TRITON, got {q.dtype}"
     if q.dtype == torch.bfloat16 and not q.is_cuda:
         # Triton's interpreter computes tl.dot on bfloat16 tiles wrongly (outputs off by orders of magnitude).

@@ -20,6 +20,7 @@ from ..jagged import (
 )
 from ..masks.rules import FixedRule
 from .capability import triton_unsupported_reason
+from .fp8 import fp8_p_block
 from .hstu_mha import _check_func_alone, _check_qkv, _check_same_device, _checked_rule
 from .kernel import Kernel
 from .plan import DeltaPlan
@@ -61,6 +62,7 @@ def delta_hstu_mha(
     scaling_seqlen: int = -1,
     kv_lengths: torch.Tensor | None = None,
     delta_plan: DeltaPlan | None = None,
+    fp8_scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """HSTU attention for a subset of each sequence's rows (docs/design.md, section 9). Forward only.
 
@@ -101,6 +103,10 @@ def delta_hstu_mha(
       plan shared across streams, or one built eagerly and replayed in a graph
       would give the tables of other offsets. Without ``q_offsets`` each call
       makes new ones, and nothing is shared.
+    - ``fp8_scales``: ``(q_scale, k_scale, v_scale)``, float32 ``(rows, H)`` each, for
+      ``delta_q``, ``k``, ``v`` in ``torch.float8_e4m3fn`` (:func:`flexhstu.quantize_fp8`
+      makes both): e4m3 dots in the kernel, a bfloat16 output (``flexhstu.ops.fp8`` has the
+      exact arithmetic, which the PyTorch reference follows).
 
     On CPU tensors (outside torch.compile) bad offsets, ``q_start`` or
     ``num_targets`` raise; on CUDA they are not read (no sync), and a query row
@@ -109,7 +115,9 @@ def delta_hstu_mha(
     Raises RuntimeError when a gradient could be asked for (grad mode on and an
     input requiring grad): the op has no backward.
     """
-    _check_qkv(delta_q, k, v, q_name="delta_q")
+    _check_qkv(delta_q, k, v, q_name="delta_q", fp8=fp8_scales is not None)
+    if fp8_scales is not None:
+        fp8_scales = _checked_scales(fp8_scales, delta_q, k, v)
     _check_forward_only(delta_q, k, v)
     check_offsets_meta(seq_offsets)
     batch = seq_offsets.numel() - 1
@@ -142,6 +150,7 @@ def delta_hstu_mha(
         num_targets=num_targets,
         attn_func=attn_func,
         kv_lengths=kv_lengths,
+        **({} if fp8_scales is None else dict(zip(("q_scale", "k_scale", "v_scale"), fp8_scales))),
     )
     max_seq_len = as_int("max_seq_len", max_seq_len)
     rule = _checked_rule(FixedRule(True, num_targets, max_attn_len, contextual_seq_len, min_full_attn_seq_len), batch)
@@ -170,10 +179,15 @@ def delta_hstu_mha(
         scaling = float(max_seq_len) or 1.0
     mask = attn_func if attn_func is not None else rule
     if _choose_backend(kernel, delta_q, v, mask) == Kernel.TRITON:
-        return _run_triton(delta_q, k, v, seq_offsets, q_offsets, q_start, mask, alpha, scaling, kv_lengths, delta_plan)
+        return _run_triton(
+            delta_q, k, v, seq_offsets, q_offsets, q_start, mask, alpha, scaling, kv_lengths, delta_plan, fp8_scales
+        )
     if kv_lengths is not None:  # the reference reads the used rows, packed (one sync: it is the reference)
         seq_offsets, rows = _packed_rows(seq_offsets, kv_lengths)
         k, v = k[rows], v[rows]
+        if fp8_scales is not None:
+            fp8_scales = (fp8_scales[0], fp8_scales[1][rows], fp8_scales[2][rows])
+    fp8 = None if fp8_scales is None else (*fp8_scales, fp8_p_block(k.shape[2], v.shape[2]))
     return pytorch_delta_hstu_mha(
         delta_q,
         k,
@@ -185,6 +199,7 @@ def delta_hstu_mha(
         alpha=alpha,
         scaling_seqlen=scaling,
         max_seq_len=max_seq_len,
+        fp8=fp8,
     )
 
 
@@ -205,6 +220,25 @@ def _check_per_sequence(x, name: str, batch: int, what: str) -> None:
         raise bad_type(name, f"an integer tensor ({what})", x.dtype)
     if x.dim() != 1 or x.numel() != batch:
         raise bad_value(name, f"a ({batch},) tensor", f"shape {tuple(x.shape)}")
+
+
+def _checked_scales(scales, delta_q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+    """``fp8_scales``, each float32 ``(rows, H)`` of its input, made contiguous (the kernel's layout)."""
+    if not isinstance(scales, (tuple, list)) or len(scales) != 3:
+        got = (
+            f"{type(scales).__name__} of {len(scales)}" if isinstance(scales, (tuple, list)) else type(scales).__name__
+        )
+        raise bad_type("fp8_scales", "a tuple (q_scale, k_scale, v_scale) (flexhstu.quantize_fp8)", got)
+    out = []
+    for name, s, x in zip(("q_scale", "k_scale", "v_scale"), scales, (delta_q, k, v)):
+        if not isinstance(s, torch.Tensor):
+            raise bad_type(f"fp8_scales {name}", "a float32 tensor", type(s).__name__)
+        if s.dtype != torch.float32:
+            raise bad_type(f"fp8_scales {name}.dtype", "torch.float32", s.dtype)
+        if tuple(s.shape) != tuple(x.shape[:2]):
+            raise bad_value(f"fp8_scales {name}", f"shape {tuple(x.shape[:2])} (rows, H) of its input", tuple(s.shape))
+        out.append(s.contiguous())
+    return tuple(out)
 
 
 def _check_forward_only(*xs: torch.Tensor) -> None:
@@ -318,10 +352,11 @@ def _run_triton(
     scaling: float,
     kv_lengths=None,
     plan: DeltaPlan | None = None,
+    fp8_scales: tuple | None = None,
 ) -> torch.Tensor:
     from .triton.delta_op import triton_delta_hstu_mha
 
-    common = dict(alpha=alpha, out_scale=1.0 / scaling, kv_lengths=kv_lengths, plan=plan)
+    common = dict(alpha=alpha, out_scale=1.0 / scaling, kv_lengths=kv_lengths, plan=plan, fp8_scales=fp8_scales)
     if isinstance(mask, torch.Tensor):
         return triton_delta_hstu_mha(delta_q, k, v, seq_offsets, q_offsets, q_start, func=mask, **common)
     plain = mask.num_targets is None and mask.max_attn_len == 0 and mask.contextual_seq_len == 0

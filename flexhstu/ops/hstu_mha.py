@@ -190,9 +190,10 @@ def _checked_call(
     return _Call(q, k, v, seq_offsets, mask, alpha, scaling, attn_scale, max_seq_len, rate, bias, attn_plan)
 
 
-def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_name: str = "q") -> None:
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_name: str = "q", fp8: bool = False) -> None:
     """Types, ranks, dtypes, heads and head dims of the attention inputs. With ``q_name="q"`` (training) k
-    and v have q's rows; otherwise (``delta_q``, serving) v has k's rows and q is a subset of them."""
+    and v have q's rows; otherwise (``delta_q``, serving) v has k's rows and q is a subset of them. With ``fp8``
+    (serving) all three are float8_e4m3fn."""
     if q_name == "q" and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
         # What the loops below check, read once (every call passes here): any failure is left to them to name.
         qs, ks, vs, dtype = q.shape, k.shape, v.shape, q.dtype
@@ -215,8 +216,11 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_name: str = 
             raise bad_type(name, "a torch.Tensor", type(x).__name__)
         if x.dim() != 3:
             raise bad_value(name, "a 3-D jagged tensor (total, H, D)", f"shape {tuple(x.shape)}")
-        if x.dtype not in _FLOAT_DTYPES:
-            raise bad_type(name, "float16, bfloat16, float32 or float64", x.dtype)
+        if fp8 and x.dtype != torch.float8_e4m3fn:
+            raise bad_type(f"{name}.dtype", "torch.float8_e4m3fn with fp8_scales (flexhstu.quantize_fp8)", x.dtype)
+        if not fp8 and x.dtype not in _FLOAT_DTYPES:
+            hint = " (float8_e4m3fn inputs need fp8_scales)" if x.dtype == torch.float8_e4m3fn else ""
+            raise bad_type(name, f"float16, bfloat16, float32 or float64{hint}", x.dtype)
     rows_of, rows = (q_name, q.shape[0]) if q_name == "q" else ("k", k.shape[0])
     for name, x in (("k", k), ("v", v)):
         if x.shape[0] != rows and name != rows_of:

@@ -2,7 +2,7 @@
 
 - every row of ``delta_hstu_mha`` (Triton) equals the matching row of the training forward
   (Triton, the whole sequences) within 2e-3 relative, under causal, SLA and OneRank masks, and both
-  are within ``TOL`` of a float32 reference;
+  are within ``TOL`` of a float32 reference; with e4m3 inputs it equals the reference's e4m3 arithmetic;
 - the STU stack's default path (lean body, compiled on CUDA) gives the eager plain layer's output and
   every parameter gradient within 1e-2 relative in bf16.
 
@@ -55,6 +55,27 @@ def test_delta_rows_equal_the_training_forward_rows(name):
     ref = flexhstu.hstu_mha(n, None, q.float(), k.float(), v.float(), offs, attn_func=func, kernel=Kernel.PYTORCH)
     check(f"delta {name} B{b} last {delta} rows", {"delta_vs_training": rel(got, full[rows])}, tol=2e-3)
     check(f"delta {name} vs float32 reference", {"out": rel(got, ref[rows])})
+
+
+@pytest.mark.parametrize("name", ["causal", "sla 256/32", "onerank"])
+def test_e4m3_delta_equals_the_references_e4m3_arithmetic(name):
+    # The reference rounds as the kernel does (q, k, v per row, P per row and key tile): only summation order and
+    # the tensor cores' accumulation differ. Against full precision the error is e4m3's own, reported too.
+    lengths, delta, heads, dim = [4096, 1500, 4096 + 256], 256, 4, 128
+    offs = offsets(lengths)
+    total, n = sum(lengths), max(lengths)
+    func = _delta_case(name, offs, lengths, delta)
+    q, k, v = (torch.randn(total, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    q_offs, q_start = flexhstu.last_rows_offsets(offs, delta)
+    rows = (q_start[:, None] + offs[:-1, None] + torch.arange(delta, device="cuda")[None, :]).reshape(-1)
+    (q8, qs), (k8, ks), (v8, vs) = (flexhstu.quantize_fp8(x) for x in (q[rows], k, v))
+    kw = dict(q_offsets=q_offs, q_start=q_start, attn_func=func[:, :, rows].contiguous(), fp8_scales=(qs, ks, vs))
+    got = flexhstu.delta_hstu_mha(n, None, q8, k8, v8, offs, kernel=Kernel.TRITON, **kw)
+    want = flexhstu.delta_hstu_mha(n, None, q8, k8, v8, offs, kernel=Kernel.PYTORCH, **kw)
+    full = flexhstu.hstu_mha(n, None, q.float(), k.float(), v.float(), offs, attn_func=func, kernel=Kernel.PYTORCH)
+    assert got.dtype == torch.bfloat16
+    check(f"delta e4m3 {name} vs the e4m3 reference", {"out": rel(got, want)})
+    check(f"delta e4m3 {name} vs float32 (e4m3's own error)", {"out": rel(got, full[rows])}, tol=0.08)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "float32 under bf16 autocast"])

@@ -41,6 +41,16 @@ class RuleArgs(NamedTuple):
     min_full: int
 
 
+class Fp8Scales(NamedTuple):
+    """The per-(row, head) float32 scales of e4m3 ``Q``, ``K``, ``V`` (``flexhstu.ops.fp8``): row ``t``, head ``h`` of
+    each at ``ptr + t * stride_t + h``."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    stride_t: int
+
+
 _new_tuple = tuple.__new__
 
 

@@ -37,10 +37,11 @@ def dq_block(q, do, K, V, h, seq_start, L, n0, rows, alpha, BLOCK_N: tl.constexp
              DIM_V: tl.constexpr, TILE_QK: tl.constexpr, TILE_V: tl.constexpr, CAUSAL_MASK: tl.constexpr,
              FAST_SIGMOID: tl.constexpr, FLOOR_SCORES: tl.constexpr, DOT_PRECISION: tl.constexpr, BIAS=None, BROWS=None,
              HAS_BIAS: tl.constexpr = False, WIDE_TIMES: tl.constexpr = False, RAB=None, RAB_BASE=None,
-             HAS_RAB: tl.constexpr = False):
+             HAS_RAB: tl.constexpr = False, SCALES=None, QSC=None, HAS_SCALES: tl.constexpr = False):
     """Key block ``n0``: ``(dS / c, k)`` with ``dS / c = (do v^T) silu'(s)``, zeroed above the diagonal
     when CAUSAL_MASK; ``s`` includes the relative bias when HAS_BIAS and the dense one when HAS_RAB (as
-    ``attend``)."""
+    ``attend``). ``SCALES``, ``QSC``, HAS_SCALES: the forward's e4m3 inputs, which the backward never takes."""
+    tl.static_assert(not HAS_SCALES, "the backward takes no e4m3 inputs")
     cols, k, v, s = key_block_scores(q, K, V, h, seq_start, L, n0, rows, alpha, BLOCK_N, DIM_QK, DIM_V, TILE_QK,
                                      TILE_V, FLOOR_SCORES, DOT_PRECISION, BIAS, BROWS, HAS_BIAS, WIDE_TIMES, RAB,
                                      RAB_BASE, HAS_RAB)

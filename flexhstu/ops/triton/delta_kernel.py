@@ -25,12 +25,14 @@ def delta_forward_kernel(
     FAST_SIGMOID: tl.constexpr, FLOOR_SCORES: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr, DIM_V: tl.constexpr,
     TILE_QK: tl.constexpr, TILE_V: tl.constexpr, HAS_KVLEN: tl.constexpr, N_SPLITS: tl.constexpr,
+    SCALES=None, HAS_SCALES: tl.constexpr = False,
 ):
     """``Q``: ``Jagged (total_q, H, DIM_QK)`` by ``QOFFS``; ``K``, ``V``: ``Jagged (total_kv, H, D)`` by ``OFFS``
     (with HAS_KVLEN, sequence ``b``'s keys are the first ``KVLEN[b]`` rows from ``OFFS[b]``); ``QSTART (B,)``;
     grid ``(n_flat, H, N_SPLITS)`` over ``QTAB``, the query rows' block table. ``OUT``: ``(N_SPLITS * total_q,
     H, DIM_V)``, zero-filled (rows outside their sequence are never written); split ``s`` writes the sum over its
-    key blocks (``query_major_walk``) at rows ``s * total_q + row``, for the caller to add up."""
+    key blocks (``query_major_walk``) at rows ``s * total_q + row``, for the caller to add up. With HAS_SCALES,
+    ``Q``, ``K``, ``V`` are e4m3 and ``SCALES`` (``args.Fp8Scales``) their rows' scales (``flexhstu.ops.fp8``)."""
     INTERVALS_IN_REGISTERS: tl.constexpr = NFUNC <= 7  # as the training forward (query_major_program)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -48,6 +50,8 @@ def delta_forward_kernel(
         row_ok = (r < nq) & (rows >= 0) & (rows < L)
         qrows_g = q_first + r
         q = load_rows(Q, qrows_g, row_ok, h, DIM_QK, TILE_QK)
+        # With e4m3 inputs, alpha times each row's scale multiplies its scores (key_block_scores).
+        qsc = tl.load(SCALES.q + qrows_g * SCALES.stride_t + h, mask=row_ok, other=0.0) * alpha if HAS_SCALES else None
         acc = query_major_walk(
             acc=tl.zeros((BLOCK_M, TILE_V), dtype=tl.float32), q=q, do=q, K=K, V=V, func=func, rule=rule, h=h,
             seq=seq, seq_start=seq_start, L=L, m0=m0, rows=rows, row_ok=row_ok, rows_g=qrows_g, alpha=alpha,
@@ -55,5 +59,5 @@ def delta_forward_kernel(
             INTERVALS_IN_REGISTERS=INTERVALS_IN_REGISTERS, FAST_SIGMOID=FAST_SIGMOID, FLOOR_SCORES=FLOOR_SCORES,
             DOT_PRECISION=DOT_PRECISION,
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK, TILE_V=TILE_V,
-            SPLIT=split, N_SPLITS=N_SPLITS)
+            SPLIT=split, N_SPLITS=N_SPLITS, SCALES=SCALES, QSC=qsc, HAS_SCALES=HAS_SCALES)
         store_rows(OUT, split.to(tl.int64) * total_q + qrows_g, row_ok, h, acc * out_scale, DIM_V, TILE_V)

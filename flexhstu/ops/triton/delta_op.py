@@ -11,7 +11,7 @@ import torch
 
 from ..._errors import bad_value
 from ..plan import DeltaPlan
-from .args import jagged
+from .args import Fp8Scales, jagged
 from .block_plan import Visibility
 from .block_tables import block_table, safe_offsets
 from .config import Tile, tiles
@@ -73,17 +73,19 @@ def delta_tables(offs: torch.Tensor, q_offs: torch.Tensor, total_kv: int, total_
 
 
 def delta_forward(delta_q, k, v, offs, q_offs, q_start, vis: Visibility, alpha: float, out_scale: float,
-                  kv_lengths: torch.Tensor | None = None, tables: tuple | None = None):
-    """``(total_q, H, Dv)``; offsets int64, ``q_start (B,)`` int64, ``kv_lengths (B,)`` int64 or None (see
-    ``delta_forward_kernel``); ``tables``: ``delta_tables`` of these offsets for this call's tile, made by an
-    earlier call, or None to make them here. Small requests split each program's key blocks (``key_splits``)
-    and add the splits' float32 partial sums (no atomics: the result does not depend on the order programs
-    run in)."""
+                  kv_lengths: torch.Tensor | None = None, tables: tuple | None = None, scales: tuple | None = None):
+    """``(total_q, H, Dv)``, in ``delta_q``'s dtype, or bfloat16 with ``scales``: ``(q_scale, k_scale, v_scale)``,
+    float32 ``(rows, H)`` contiguous, of e4m3 ``delta_q``, ``k``, ``v`` (``flexhstu.ops.fp8``); offsets int64,
+    ``q_start (B,)`` int64, ``kv_lengths (B,)`` int64 or None (see ``delta_forward_kernel``); ``tables``:
+    ``delta_tables`` of these offsets for this call's tile, made by an earlier call, or None to make them here.
+    Small requests split each program's key blocks (``key_splits``) and add the splits' float32 partial sums (no
+    atomics: the result does not depend on the order programs run in)."""
     delta_q, k, v = _last_dim_contiguous(delta_q, k, v)
     total_q, nheads, dqk = delta_q.shape
     dv = v.shape[2]
+    out_dtype = delta_q.dtype if scales is None else torch.bfloat16
     if not _has_rows(total_q, k.shape[0], q_offs.shape[0]):
-        return torch.zeros(total_q, nheads, dv, dtype=delta_q.dtype, device=delta_q.device)
+        return torch.zeros(total_q, nheads, dv, dtype=out_dtype, device=delta_q.device)
     interpreting = _interpreting()
     tile = _forward_tile(dqk, dv)
     batch = max(q_offs.shape[0] - 1, 1)
@@ -96,16 +98,17 @@ def delta_forward(delta_q, k, v, offs, q_offs, q_start, vis: Visibility, alpha: 
     nqb = qtab.shape[0]
     splits = _FORCED_SPLITS.get() or key_splits(nqb * nheads, -(-k.shape[0] // (batch * tile.block_n)),
                                                 _multiprocessors(delta_q.device))
-    out = torch.zeros(splits * total_q, nheads, dv, dtype=delta_q.dtype if splits == 1 else torch.float32,
+    out = torch.zeros(splits * total_q, nheads, dv, dtype=out_dtype if splits == 1 else torch.float32,
                       device=delta_q.device)
+    fp8 = {} if scales is None else dict(SCALES=Fp8Scales(*scales, nheads), HAS_SCALES=True)
     _DELTA.launch(
         (nqb, nheads, splits),
         **_attention_args(delta_q, k, v, offs, vis, alpha, interpreting), **tile.launch(),
         OUT=jagged(out), KVLEN=offs if kv_lengths is None else kv_lengths, HAS_KVLEN=kv_lengths is not None,
         QOFFS=q_offs, QSTART=q_start, QTAB=qtab, n_flat=nqb, total_q=total_q, out_scale=out_scale,
-        N_SPLITS=splits,
+        N_SPLITS=splits, **fp8,
     )
-    return out if splits == 1 else out.view(splits, total_q, nheads, dv).sum(0).to(delta_q.dtype)
+    return out if splits == 1 else out.view(splits, total_q, nheads, dv).sum(0).to(out_dtype)
 
 
 @torch.library.custom_op("flexhstu::delta_hstu_mha_fwd", mutates_args=())
@@ -114,32 +117,41 @@ def delta_hstu_mha_fwd(delta_q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                        num_targets: torch.Tensor | None, mode: int, contextual: int, window: int, min_full: int,
                        alpha: float, out_scale: float, kv_lengths: torch.Tensor | None = None,
                        safe_seq_offsets: torch.Tensor | None = None, safe_q_offsets: torch.Tensor | None = None,
-                       q_table: torch.Tensor | None = None) -> torch.Tensor:
-    """The last three: ``delta_tables`` of the offsets, all or none (the kernel trusts them: only the plan of
-    ``triton_delta_hstu_mha`` passes them)."""
+                       q_table: torch.Tensor | None = None, q_scale: torch.Tensor | None = None,
+                       k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``safe_seq_offsets``, ``safe_q_offsets``, ``q_table``: ``delta_tables`` of the offsets, all or none (the
+    kernel trusts them: only the plan of ``triton_delta_hstu_mha`` passes them). ``q_scale``, ``k_scale``,
+    ``v_scale``: the scales of e4m3 inputs, all or none (``delta_forward``'s ``scales``)."""
     vis = Visibility(mode, func, num_targets, contextual, window, min_full)
     tables = (safe_seq_offsets, safe_q_offsets, q_table)
     given = sum(t is not None for t in tables)
     if given not in (0, 3):
         raise bad_value("safe_seq_offsets, safe_q_offsets, q_table", "all three (delta_tables) or none",
                         ", ".join("None" if t is None else "a tensor" for t in tables))
+    scales = (q_scale, k_scale, v_scale)
+    scaled = sum(t is not None for t in scales)
+    if scaled not in (0, 3):
+        raise bad_value("q_scale, k_scale, v_scale", "all three (e4m3 inputs) or none",
+                        ", ".join("None" if t is None else "a tensor" for t in scales))
     return delta_forward(delta_q, k, v, seq_offsets, q_offsets, q_start, vis, alpha, out_scale, kv_lengths,
-                         tables if given else None)
+                         tables if given else None, scales if scaled else None)
 
 
 @delta_hstu_mha_fwd.register_fake
 def _(delta_q, k, v, seq_offsets, q_offsets, q_start, func, num_targets, mode, contextual, window, min_full, alpha,
-      out_scale, kv_lengths=None, safe_seq_offsets=None, safe_q_offsets=None, q_table=None):
-    return delta_q.new_empty(delta_q.shape[0], delta_q.shape[1], v.shape[2])
+      out_scale, kv_lengths=None, safe_seq_offsets=None, safe_q_offsets=None, q_table=None, q_scale=None, k_scale=None,
+      v_scale=None):
+    dtype = delta_q.dtype if q_scale is None else torch.bfloat16
+    return delta_q.new_empty(delta_q.shape[0], delta_q.shape[1], v.shape[2], dtype=dtype)
 
 
 def triton_delta_hstu_mha(delta_q, k, v, seq_offsets, q_offsets, q_start, *, func=None, num_targets=None,
                           causal_closed_form=False, contextual: int = 0, window: int = 0, min_full: int = 0,
                           alpha: float, out_scale: float, kv_lengths: torch.Tensor | None = None,
-                          plan: DeltaPlan | None = None) -> torch.Tensor:
+                          plan: DeltaPlan | None = None, fp8_scales: tuple | None = None) -> torch.Tensor:
     """The custom op: ``func`` given decides visibility; else causal or the fixed rule in closed form. ``plan``
     keeps the offsets' tables for the next call on the same offsets (not under torch.compile, where the op
-    makes its own in the graph)."""
+    makes its own in the graph). ``fp8_scales``: ``(q_scale, k_scale, v_scale)`` of e4m3 inputs, or None."""
     mode = _MODE_FUNC if func is not None else (_MODE_CAUSAL if causal_closed_form else _MODE_FIXED)
     as64 = lambda x: x if x.dtype == torch.int64 and x.is_contiguous() else x.to(torch.int64).contiguous()
     nt = None if num_targets is None else as64(num_targets)
@@ -152,4 +164,4 @@ def triton_delta_hstu_mha(delta_q, k, v, seq_offsets, q_offsets, q_start, *, fun
         tables = plan.prepared((seq_offsets, q_offsets), (total_kv, total_q, block_m),
                                lambda: delta_tables(offs, q_offs, total_kv, total_q, block_m))
     return delta_hstu_mha_fwd(delta_q, k, v, offs, q_offs, as64(q_start), func, nt, mode, contextual, window,
-                              min_full, alpha, out_scale, kvl, *tables)
+                              min_full, alpha, out_scale, kvl, *tables, *(fp8_scales or (None, None, None)))

@@ -14,8 +14,9 @@ def attend(q, do, K, V, h, seq_start, L, n0, rows, alpha, BLOCK_N: tl.constexpr,
            DIM_V: tl.constexpr, TILE_QK: tl.constexpr, TILE_V: tl.constexpr, CAUSAL_MASK: tl.constexpr,
            FAST_SIGMOID: tl.constexpr, FLOOR_SCORES: tl.constexpr, DOT_PRECISION: tl.constexpr, BIAS=None, BROWS=None,
            HAS_BIAS: tl.constexpr = False, WIDE_TIMES: tl.constexpr = False, RAB=None, RAB_BASE=None,
-           HAS_RAB: tl.constexpr = False):
-    """Key block ``n0``: ``(silu(alpha q k^T [+ bias]), v)``, the silu zeroed above the diagonal when CAUSAL_MASK.
+           HAS_RAB: tl.constexpr = False, SCALES=None, QSC=None, HAS_SCALES: tl.constexpr = False):
+    """Key block ``n0``: ``(silu(alpha q k^T [+ bias]), v)``, the silu zeroed above the diagonal when CAUSAL_MASK;
+    with HAS_SCALES (e4m3 inputs, ``key_block_scores``) the silu times the keys' ``v`` scales, ``v`` left in e4m3.
 
     ``do`` is unused (the dQ kernel's block function takes it). With HAS_BIAS the relative bias
     (``BIAS``: ``bias.Bias``; ``BROWS``: the program's ``bias_rows``) is added to the scores, with the int64
@@ -24,10 +25,12 @@ def attend(q, do, K, V, h, seq_start, L, n0, rows, alpha, BLOCK_N: tl.constexpr,
     """
     cols, _, v, s = key_block_scores(q, K, V, h, seq_start, L, n0, rows, alpha, BLOCK_N, DIM_QK, DIM_V, TILE_QK,
                                      TILE_V, FLOOR_SCORES, DOT_PRECISION, BIAS, BROWS, HAS_BIAS, WIDE_TIMES, RAB,
-                                     RAB_BASE, HAS_RAB)
+                                     RAB_BASE, HAS_RAB, SCALES, QSC, HAS_SCALES)
     p = s * sigmoid(s, FAST_SIGMOID)
     if CAUSAL_MASK:
         p = tl.where(cols[None, :] <= rows[:, None], p, 0.0)
+    if HAS_SCALES:
+        p = p * tl.load(SCALES.v + (seq_start + cols) * SCALES.stride_t + h, mask=cols < L, other=0.0)[None, :]
     return p, v
 
 

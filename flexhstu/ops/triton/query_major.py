@@ -10,6 +10,8 @@ as a pair ``(x, y)`` (forward: ``(silu(s), v)``; dQ: ``(dS / c, k)``), added as
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -31,13 +33,19 @@ from .rab_tiles import add_rab, rab_base
 from .row_intervals import MODE_CAUSAL, head_func, sequence_targets
 from .silu import finite_below
 
+FP8_MAX = tl.constexpr(448.0)  # the largest finite e4m3 (float8_e4m3fn) value
+INTERPRETER_CAST = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")  # see _to_e4m3
+
 
 @triton.jit
 def key_block_scores(q, K, V, h, seq_start, L, n0, rows, alpha, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr,
                      DIM_V: tl.constexpr, TILE_QK: tl.constexpr, TILE_V: tl.constexpr, FLOOR_SCORES: tl.constexpr,
                      DOT_PRECISION: tl.constexpr, BIAS, BROWS, HAS_BIAS: tl.constexpr, WIDE_TIMES: tl.constexpr,
-                     RAB=None, RAB_BASE=None, HAS_RAB: tl.constexpr = False):
-    """Key block ``n0`` of a query-major program: its columns, ``k``, ``v`` and the scores ``alpha q k^T``,
+                     RAB=None, RAB_BASE=None, HAS_RAB: tl.constexpr = False, SCALES=None, QSC=None,
+                     HAS_SCALES: tl.constexpr = False):
+    """Key block ``n0`` of a query-major program: its columns, ``k``, ``v`` and the scores ``alpha q k^T``
+    (with HAS_SCALES, e4m3 ``q``, ``k`` whose dot is scaled by ``QSC``, the rows' ``alpha`` times their scales, and
+    by the keys' scales from ``SCALES``: ``args.Fp8Scales``),
     plus the relative bias with HAS_BIAS (``BROWS``: the program's ``bias_rows``; WIDE_TIMES: the int64 path,
     ``bias_tiles.add_bias``) or the dense bias with HAS_RAB (``RAB``: ``rab_tiles.Rab``, ``RAB_BASE`` its
     sequence and head), floored with FLOOR_SCORES (``silu.finite_below``). The set-up every block function
@@ -46,7 +54,11 @@ def key_block_scores(q, K, V, h, seq_start, L, n0, rows, alpha, BLOCK_N: tl.cons
     col_ok = cols < L
     k = load_rows(K, seq_start + cols, col_ok, h, DIM_QK, TILE_QK)
     v = load_rows(V, seq_start + cols, col_ok, h, DIM_V, TILE_V)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * alpha
+    if HAS_SCALES:
+        kscale = tl.load(SCALES.k + (seq_start + cols) * SCALES.stride_t + h, mask=col_ok, other=0.0)
+        s = tl.dot(q, tl.trans(k), out_dtype=tl.float32) * QSC[:, None] * kscale[None, :]
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * alpha
     if HAS_BIAS:
         s = query_major_bias(s, BIAS, BROWS, h, seq_start, L, rows, cols, n0, WIDE_TIMES, DOT_PRECISION)
     if HAS_RAB:
@@ -54,6 +66,29 @@ def key_block_scores(q, K, V, h, seq_start, L, n0, rows, alpha, BLOCK_N: tl.cons
     if FLOOR_SCORES:
         s = finite_below(s)
     return cols, k, v, s
+
+
+@triton.jit
+def _to_e4m3(x, dtype: tl.constexpr):
+    """``x`` (within +-448) cast to e4m3, rounded to nearest even. Triton 3.6's interpreter rounds without carrying
+    into the exponent (31.1 becomes 16, not 32), so there ``x`` is first rounded here to the e4m3 grid (3 mantissa
+    bits; steps of 2^-9 below 2^-6), which leaves the cast exact."""
+    if INTERPRETER_CAST:
+        bits = x.to(tl.int32, bitcast=True)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+        tiny = ((x * 512.0 + 12582912.0) - 12582912.0) * (1.0 / 512.0)  # 1.5 * 2^23 rounds to integers
+        x = tl.where(tl.abs(x) < 0.015625, tiny, normal)
+    return x.to(dtype)
+
+
+@triton.jit
+def accumulate_e4m3(acc, x, y):
+    """``acc + x @ y`` for e4m3 ``y``: each row of ``x`` is first scaled to the e4m3 range by its largest magnitude
+    in the tile, and the product scaled back (``flexhstu.ops.fp8``)."""
+    big = tl.max(tl.abs(x), axis=1)
+    up = FP8_MAX / tl.where(big > 0.0, big, 1.0)  # a row of zeros stays zeros
+    acc += tl.dot(_to_e4m3(x * up[:, None], y.dtype), y, out_dtype=tl.float32) * (big * (1.0 / FP8_MAX))[:, None]
+    return acc
 
 
 @triton.jit
@@ -65,7 +100,8 @@ def query_major_walk(acc, q, do, K, V, func, rule, h, seq, seq_start, L, m0, row
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIM_QK: tl.constexpr, DIM_V: tl.constexpr,
                      TILE_QK: tl.constexpr, TILE_V: tl.constexpr, BIAS=None, BROWS=None,
                      HAS_BIAS: tl.constexpr = False, WIDE_TIMES: tl.constexpr = False, SPLIT=0,
-                     N_SPLITS: tl.constexpr = 1, RAB=None, RAB_BASE=None, HAS_RAB: tl.constexpr = False):
+                     N_SPLITS: tl.constexpr = 1, RAB=None, RAB_BASE=None, HAS_RAB: tl.constexpr = False,
+                     SCALES=None, QSC=None, HAS_SCALES: tl.constexpr = False):
     """``acc (BLOCK_M, D)`` plus the contribution of every key block that query block ``m0`` sees.
 
     ``q (BLOCK_M, DIM_QK)`` and ``do (BLOCK_M, DIM_V)`` are the block's tiles (the forward passes ``q``
@@ -73,7 +109,8 @@ def query_major_walk(acc, q, do, K, V, func, rule, h, seq, seq_start, L, m0, row
     ``BLOCK_FN`` (the relative bias, the program's rows' times, the int64 path for wide chunks), as are ``RAB``,
     ``RAB_BASE``, HAS_RAB (a dense bias, ``rab_tiles``). With
     N_SPLITS > 1 only the key blocks of split ``SPLIT`` (every N_SPLITS-th of the walk, from the SPLIT-th) are
-    visited: the caller sums the splits.
+    visited: the caller sums the splits. With HAS_SCALES (the delta kernel's e4m3 inputs) ``SCALES`` and ``QSC``
+    go to ``BLOCK_FN`` and each tile is added in e4m3 (``accumulate_e4m3``).
     """
     if MODE == MODE_CAUSAL:
         # Key blocks wholly at or before the first row need no mask; the rest meet the diagonal.
@@ -87,16 +124,24 @@ def query_major_walk(acc, q, do, K, V, func, rule, h, seq, seq_start, L, m0, row
                             CAUSAL_MASK=False, FAST_SIGMOID=FAST_SIGMOID, FLOOR_SCORES=FLOOR_SCORES,
                             DOT_PRECISION=DOT_PRECISION,
                             BIAS=BIAS, BROWS=BROWS, HAS_BIAS=HAS_BIAS, WIDE_TIMES=WIDE_TIMES,
-                            RAB=RAB, RAB_BASE=RAB_BASE, HAS_RAB=HAS_RAB)
-            acc += tl.dot(x.to(y.dtype), y, input_precision=DOT_PRECISION)
+                            RAB=RAB, RAB_BASE=RAB_BASE, HAS_RAB=HAS_RAB, SCALES=SCALES, QSC=QSC,
+                            HAS_SCALES=HAS_SCALES)
+            if HAS_SCALES:
+                acc = accumulate_e4m3(acc, x, y)
+            else:
+                acc += tl.dot(x.to(y.dtype), y, input_precision=DOT_PRECISION)
         for kb in range(diag_first, n_end, N_SPLITS):
             x, y = BLOCK_FN(q=q, do=do, K=K, V=V, h=h, seq_start=seq_start, L=L, n0=kb * BLOCK_N, rows=rows,
                             alpha=alpha, BLOCK_N=BLOCK_N, DIM_QK=DIM_QK, DIM_V=DIM_V, TILE_QK=TILE_QK, TILE_V=TILE_V,
                             CAUSAL_MASK=True, FAST_SIGMOID=FAST_SIGMOID, FLOOR_SCORES=FLOOR_SCORES,
                             DOT_PRECISION=DOT_PRECISION,
                             BIAS=BIAS, BROWS=BROWS, HAS_BIAS=HAS_BIAS, WIDE_TIMES=WIDE_TIMES,
-                            RAB=RAB, RAB_BASE=RAB_BASE, HAS_RAB=HAS_RAB)
-            acc += tl.dot(x.to(y.dtype), y, input_precision=DOT_PRECISION)
+                            RAB=RAB, RAB_BASE=RAB_BASE, HAS_RAB=HAS_RAB, SCALES=SCALES, QSC=QSC,
+                            HAS_SCALES=HAS_SCALES)
+            if HAS_SCALES:
+                acc = accumulate_e4m3(acc, x, y)
+            else:
+                acc += tl.dot(x.to(y.dtype), y, input_precision=DOT_PRECISION)
     else:
         targets = sequence_targets(rule, seq, HAS_TARGETS)
         func_h = head_func(func, h)  # a new name: the tuple's field types differ
@@ -117,7 +162,8 @@ def query_major_walk(acc, q, do, K, V, func, rule, h, seq, seq_start, L, m0, row
                             CAUSAL_MASK=False, FAST_SIGMOID=FAST_SIGMOID, FLOOR_SCORES=FLOOR_SCORES,
                             DOT_PRECISION=DOT_PRECISION,
                             BIAS=BIAS, BROWS=BROWS, HAS_BIAS=HAS_BIAS, WIDE_TIMES=WIDE_TIMES,
-                            RAB=RAB, RAB_BASE=RAB_BASE, HAS_RAB=HAS_RAB)
+                            RAB=RAB, RAB_BASE=RAB_BASE, HAS_RAB=HAS_RAB, SCALES=SCALES, QSC=QSC,
+                            HAS_SCALES=HAS_SCALES)
             if not block_is_full(n0, tl.minimum(n0 + BLOCK_N, L), clo, chi):
                 cols = n0 + tl.arange(0, BLOCK_N)
                 if INTERVALS_IN_REGISTERS:
@@ -129,7 +175,10 @@ def query_major_walk(acc, q, do, K, V, func, rule, h, seq, seq_start, L, m0, row
                                               MODE=MODE, HAS_TARGETS=HAS_TARGETS, INTERVALS_POW2=INTERVALS_POW2,
                                               BLOCK_N=BLOCK_N, TRANS=False)
                     x = tl.where(vis, x, 0.0)
-            acc += tl.dot(x.to(y.dtype), y, input_precision=DOT_PRECISION)
+            if HAS_SCALES:
+                acc = accumulate_e4m3(acc, x, y)
+            else:
+                acc += tl.dot(x.to(y.dtype), y, input_precision=DOT_PRECISION)
     return acc
 
 

@@ -1,0 +1,129 @@
+"""e4m3 inputs to the delta forward: the kernel (interpreter) against the PyTorch reference's e4m3 arithmetic, and
+both against full precision within e4m3's error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_delta_triton import batch, mask_keywords, slotted
+
+import flexhstu
+from flexhstu import Kernel, dequantize_fp8, quantize_fp8
+from flexhstu.ops.fp8 import E4M3, fp8_p_block, round_p_tiles
+from flexhstu.ops.triton.delta_op import forced_key_splits
+
+MASKS = ["causal", "fixed", "onerank", "sla", "random-per-head"]
+
+
+def quantized(q, k, v):
+    (q8, qs), (k8, ks), (v8, vs) = quantize_fp8(q), quantize_fp8(k), quantize_fp8(v)
+    return q8, k8, v8, (qs, ks, vs)
+
+
+def delta(q, k, v, offs, q_offsets, q_start, kernel, **kw):
+    return flexhstu.delta_hstu_mha(80, 0.3, q, k, v, offs, q_offsets=q_offsets, q_start=q_start, kernel=kernel, **kw)
+
+
+def test_quantize_keeps_each_row_within_e4m3_rounding_of_its_largest_value():
+    x = torch.randn(50, 3, 24, generator=torch.Generator().manual_seed(1)) * torch.logspace(-3, 3, 50)[:, None, None]
+    x[7, 1] = 0.0
+    x8, scale = quantize_fp8(x)
+    assert x8.dtype == E4M3 and scale.shape == (50, 3) and scale.dtype == torch.float32
+    assert scale[7, 1] == 1 and (x8[7, 1].float() == 0).all()
+    big = x.abs().amax(dim=2, keepdim=True)
+    assert (dequantize_fp8(x8, scale).abs().amax(dim=2, keepdim=True) - big).abs().max() <= 1e-6 * big.max()
+    err = (dequantize_fp8(x8, scale) - x).abs()
+    assert (err <= big * 2.0**-4 * 1.0001).all()  # 3 mantissa bits: half a step at the top binade
+    assert (err > 0).any()
+
+
+@pytest.mark.parametrize(
+    "x, match",
+    [
+        (torch.zeros(4, 8), r"x: expected a 3-D jagged tensor \(rows, H, D\), got shape \(4, 8\)"),
+        (torch.zeros(4, 2, 8, dtype=torch.int32), r"x.dtype: expected float16, bfloat16, float32 or float64"),
+        (torch.zeros(4, 2, 8).to(E4M3), r"x.dtype: expected float16, bfloat16, float32 or float64"),
+    ],
+)
+def test_quantize_names_a_bad_input(x, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        quantize_fp8(x)
+
+
+def test_p_tiles_are_scaled_by_their_own_largest_value_from_column_zero():
+    x = torch.tensor([[1000.0, 1.0, 0.01, 0.0, 3.0]])
+    got = round_p_tiles(x, 2)
+    # Tile [1000, 1]: 1 is kept to 1/8 of its binade; tile [0.01, 0]: 0.01 is its own scale, exact; [3]: exact.
+    assert got[0, 0] == 1000 and abs(got[0, 1] - 1) <= 1 / 8 and got[0, 2] == pytest.approx(0.01, rel=1e-6)
+    assert got[0, 3] == 0 and got[0, 4] == 3
+
+
+@pytest.mark.parametrize("name", MASKS)
+def test_triton_fp8_delta_equals_the_references_e4m3_arithmetic(name):
+    q, k, v, offs, rows, q_offsets, q_start = batch()
+    _, delta_kw = mask_keywords(name, offs, rows)
+    q8, k8, v8, scales = quantized(q[rows], k, v)
+    with torch.no_grad():
+        want = delta(q8, k8, v8, offs, q_offsets, q_start, Kernel.PYTORCH, fp8_scales=scales, **delta_kw)
+        got = delta(q8, k8, v8, offs, q_offsets, q_start, Kernel.TRITON, fp8_scales=scales, **delta_kw)
+    assert got.dtype == want.dtype == torch.bfloat16
+    assert want.abs().max() > 0
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=2e-3 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("name", ["causal", "sla"])
+def test_fp8_delta_stays_within_e4m3_error_of_full_precision(name):
+    q, k, v, offs, rows, q_offsets, q_start = batch()
+    _, delta_kw = mask_keywords(name, offs, rows)
+    q8, k8, v8, scales = quantized(q[rows], k, v)
+    full = delta(q[rows], k, v, offs, q_offsets, q_start, Kernel.PYTORCH, **delta_kw)
+    got = delta(q8, k8, v8, offs, q_offsets, q_start, Kernel.TRITON, fp8_scales=scales, **delta_kw).float()
+    rel = (got - full).norm() / full.norm()
+    assert 1e-3 < rel < 0.08, rel  # e4m3 rounds each of q, k, v and P to 3 mantissa bits
+
+
+@pytest.mark.parametrize("splits", [2, 16])
+def test_fp8_key_splits_add_up_to_the_unsplit_call(splits):
+    q, k, v, offs, rows, q_offsets, q_start = batch()
+    q8, k8, v8, scales = quantized(q[rows], k, v)
+    want = delta(q8, k8, v8, offs, q_offsets, q_start, Kernel.PYTORCH, fp8_scales=scales)
+    with forced_key_splits(splits):
+        got = delta(q8, k8, v8, offs, q_offsets, q_start, Kernel.TRITON, fp8_scales=scales)
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=2e-3 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("kernel", [Kernel.TRITON, Kernel.PYTORCH])
+def test_fp8_kv_lengths_read_only_the_used_rows_and_their_scales(kernel):
+    # Spare rows hold NaN, so their scales are NaN too: reading either would give NaN.
+    q, k, v, offs, rows, q_offsets, q_start = batch()
+    ks, vs, slot_offs, lengths = slotted(k, v, offs, room=[5, 3, 0, 17])
+    q8, k8, v8, scales = quantized(q[rows], k, v)
+    want = delta(q8, k8, v8, offs, q_offsets, q_start, Kernel.PYTORCH, fp8_scales=scales)
+    q8, ks8, vs8, slot_scales = quantized(q[rows], ks, vs)
+    assert slot_scales[1].isnan().any()
+    with forced_key_splits(2):
+        got = delta(q8, ks8, vs8, slot_offs, q_offsets, q_start, kernel, fp8_scales=slot_scales, kv_lengths=lengths)
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=2e-3 * want.abs().max().item())
+
+
+def test_the_reference_rounds_p_in_the_kernels_key_tiles():
+    # The tile width is what the kernel uses where this process runs it (the interpreter's here).
+    from flexhstu.ops.triton.config import tiles
+
+    assert fp8_p_block(16, 24) == tiles(16, 32, True).forward.block_n
+
+
+def test_fp8_calls_name_what_is_wrong():
+    q, k, v, offs, rows, q_offsets, q_start = batch()
+    q8, k8, v8, (qs, ks, vs) = quantized(q[rows], k, v)
+    run = lambda *x, **kw: delta(*x, offs, q_offsets, q_start, Kernel.PYTORCH, **kw)
+    with pytest.raises(TypeError, match=r"delta_q: expected .*\(float8_e4m3fn inputs need fp8_scales\)"):
+        run(q8, k8, v8)
+    with pytest.raises(TypeError, match=r"k.dtype: expected torch.float8_e4m3fn with fp8_scales"):
+        run(q8, k, v8, fp8_scales=(qs, ks, vs))
+    with pytest.raises(TypeError, match=r"fp8_scales: expected a tuple \(q_scale, k_scale, v_scale\)"):
+        run(q8, k8, v8, fp8_scales=(qs, ks))
+    with pytest.raises(ValueError, match=r"fp8_scales k_scale: expected shape \(119, 2\) \(rows, H\) of its input"):
+        run(q8, k8, v8, fp8_scales=(qs, ks[:-1], vs))
+    with pytest.raises(TypeError, match=r"fp8_scales v_scale.dtype: expected torch.float32, got torch.float16"):
+        run(q8, k8, v8, fp8_scales=(qs, ks, vs.half()))
