@@ -29,6 +29,8 @@ with the model's heads and head dim. TFLOP/s on visible pairs, counted exactly (
 a forward is ``4 * pairs * D``), from device time (CUDA-graph replays, ``triton.testing.do_bench``):
 
 * ``delta``: ``delta_hstu_mha`` on the query rows;
+* ``delta, e4m3``: the same in e4m3 (``flexhstu.quantize_fp8``, done before the timed calls, as a cache of
+  e4m3 K and V would hold them), the same pairs;
 * ``full, same pairs``: the training forward kernel (``hstu_mha``) on the whole sequences, under a func that
   gives history rows no keys: exactly the delta's pairs, so the two times compare directly;
 * ``full, onerank``: ``hstu_mha`` on the whole sequences under the OneRank func (history rows included),

@@ -10,14 +10,14 @@ from typing import NamedTuple
 
 import torch
 
-from .. import delta_hstu_mha, hstu_mha, masks
+from .. import delta_hstu_mha, hstu_mha, masks, quantize_fp8
 from ..jagged import offsets_from_lengths, row_coords
 from .serving_setup import GROUP, Grid, Setup, device_ms, free, reported
 
 
 @dataclass
 class KernelRow:
-    kernel: str  # "delta", "full, same pairs", "full, onerank"
+    kernel: str  # "delta", "delta, e4m3", "full, same pairs", "full, onerank"
     hist: int
     cands: int  # per user in the micro-batch: 4x as many query rows
     users: int
@@ -41,7 +41,7 @@ def kernel_rows(grid: Grid, setup: Setup) -> Iterator[KernelRow]:
 
 
 class KernelCalls(NamedTuple):
-    """The three attention calls of one kernel case and the visible pairs (all heads) of each."""
+    """The attention calls of one kernel case and the visible pairs (all heads) of each."""
 
     calls: dict[str, Callable[[], torch.Tensor]]
     pairs: dict[str, int]
@@ -49,7 +49,8 @@ class KernelCalls(NamedTuple):
 
 def kernel_calls(setup: Setup, *, hist: int, cands: int, users: int) -> KernelCalls:
     """``users`` sequences of ``hist`` history rows and ``cands`` candidate groups under the OneRank func; the
-    delta call takes the groups' rows as queries (the last ``4 * cands`` rows of every sequence)."""
+    delta call takes the groups' rows as queries (the last ``4 * cands`` rows of every sequence), in the setup's
+    dtype and in e4m3 (``flexhstu.quantize_fp8``, outside the timed call: a cache holds K and V so)."""
     heads, head_dim = setup.heads, setup.dim // setup.heads
     length = hist + GROUP * cands
     offs = offsets_from_lengths([length] * users, device=setup.device)
@@ -65,9 +66,22 @@ def kernel_calls(setup: Setup, *, hist: int, cands: int, users: int) -> KernelCa
     same_pairs = torch.where(history_row, 0, func)  # history rows: every interval [0, 0), no keys
     new_rows = torch.nonzero(~history_row).squeeze(1)  # the groups' rows, user by user
     delta_q, delta_func = q[new_rows].contiguous(), func[:, :, new_rows].contiguous()
+    (q8, qs), (k8, ks), (v8, vs) = (quantize_fp8(x) for x in (delta_q, k, v))
     calls = {
         "delta": functools.partial(
             delta_hstu_mha, length, None, delta_q, k, v, offs, attn_func=delta_func, kernel=setup.backend
+        ),
+        "delta, e4m3": functools.partial(
+            delta_hstu_mha,
+            length,
+            None,
+            q8,
+            k8,
+            v8,
+            offs,
+            attn_func=delta_func,
+            kernel=setup.backend,
+            fp8_scales=(qs, ks, vs),
         ),
         "full, same pairs": functools.partial(
             hstu_mha, length, None, q, k, v, offs, attn_func=same_pairs, kernel=setup.backend
@@ -77,13 +91,19 @@ def kernel_calls(setup: Setup, *, hist: int, cands: int, users: int) -> KernelCa
     counted = {
         name: int(masks.count_visible(f, offs).sum()) * heads for name, f in (("same", same_pairs), ("onerank", func))
     }
-    pairs = {"delta": counted["same"], "full, same pairs": counted["same"], "full, onerank": counted["onerank"]}
+    pairs = {
+        "delta": counted["same"],
+        "delta, e4m3": counted["same"],
+        "full, same pairs": counted["same"],
+        "full, onerank": counted["onerank"],
+    }
     return KernelCalls(calls, pairs)
 
 
 def _kernel_case(setup: Setup, *, hist: int, cands: int, users: int) -> Iterator[KernelRow]:
     shape = dict(hist=hist, cands=cands, users=users, heads=setup.heads, head_dim=setup.dim // setup.heads)
-    rows = [KernelRow(kernel=name, **shape) for name in ("delta", "full, same pairs", "full, onerank")]
+    names = ("delta", "delta, e4m3", "full, same pairs", "full, onerank")
+    rows = [KernelRow(kernel=name, **shape) for name in names]
     building, case = KernelRow(kernel="inputs", **shape), None
     with reported(building, setup.device):
         case = kernel_calls(setup, hist=hist, cands=cands, users=users)

@@ -224,6 +224,7 @@ class OneRankModel(nn.Module):
         micro_batch: int | None = None,
         cuda_graphs: bool | None = None,
         graph_pool: serving.GraphPool | None = None,
+        fp8: bool = False,
     ) -> torch.Tensor:
         """Scores ``(C, len(TASKS))`` of candidates ``cand_items (C,)`` (jagged by ``cand_offsets (B + 1,)``, one
         sequence per user) against the users' cached histories, ``micro_batch`` candidates per user at a time
@@ -235,8 +236,16 @@ class OneRankModel(nn.Module):
         Every micro-batch is padded to one shape (``serving.padded_width`` candidates a user), which runs eagerly
         the first time, is captured the second, and replays from then on, for any users and history lengths of
         the same buffer bucket (``serving.GraphPool``). None: on CUDA when a padded micro-batch has at most
-        ``serving.GRAPH_MAX_ROWS`` new rows (small, host-bound micro-batches). True needs CUDA tensors."""
+        ``serving.GRAPH_MAX_ROWS`` new rows (small, host-bound micro-batches). True needs CUDA tensors.
+
+        ``fp8``: attention in e4m3 (``flexhstu.quantize_fp8``): the gathered histories are quantized once per
+        request (``serving.quantize_history``) and each micro-batch's rows as they come; the rest of the model
+        runs in its dtype. Not through CUDA graphs yet (``cuda_graphs`` None runs eagerly)."""
         _check_eval(self)
+        if fp8 and cuda_graphs:
+            raise bad_value(
+                "cuda_graphs", "False or None with fp8 (the graph pool keeps K and V in the model's dtype)", True
+            )
         if len(users) != cand_offsets.numel() - 1:
             raise bad_value("users", f"one user per candidate sequence ({cand_offsets.numel() - 1})", len(users))
         batches = serving.micro_batches(cand_offsets, micro_batch, total=cand_items.shape[0])
@@ -276,7 +285,8 @@ class OneRankModel(nn.Module):
         width = serving.padded_width(widest, micro_batch, lengths, self.group_size, cache.max_seq_len)
         if cuda_graphs is None:
             cuda_graphs = (
-                cand_items.is_cuda
+                not fp8
+                and cand_items.is_cuda
                 and bool(batches)
                 and width is not None
                 and self.group_size * width * len(users) <= serving.GRAPH_MAX_ROWS
@@ -291,6 +301,7 @@ class OneRankModel(nn.Module):
             )
         if not cuda_graphs:
             history = cache.gather(users, room=room)
+            history = serving.quantize_history(history) if fp8 else history
             run = lambda items, mb: self.score_micro_batch(history, items, mb.counts_tensor, cache.max_seq_len)
             return self._score_batches(cand_items, batches, run)
         pool = serving.graph_pool(self) if graph_pool is None else graph_pool

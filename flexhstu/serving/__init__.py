@@ -1,6 +1,6 @@
 """Serving: a per-user K/V cache of the STU stack and candidate scoring against it (docs/design.md, section 8)."""
 
-from .cache import HistoryCache, JaggedHistory, UserHistory
+from .cache import HistoryCache, JaggedHistory, UserHistory, quantize_history
 from .delta_stack import (
     DeltaLayout,
     NewRowsMask,
@@ -45,5 +45,6 @@ __all__ = [
     "new_row_coords",
     "padded_width",
     "prefill",
+    "quantize_history",
     "stack_delta",
 ]

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .._errors import as_int, bad_type, bad_value
+from ..ops.fp8 import quantize_fp8
 
 
 @dataclass
@@ -45,13 +46,33 @@ class JaggedHistory:
     With ``room > 0`` every history is followed by ``room`` spare rows in ``k`` and ``v`` (``(T_h + B room, H,
     D)``, or more rows for a kept buffer, ``GraphPool``'s, whose last rows are unused): user ``b``'s history
     starts at row ``offsets[b] + b room``. The delta stack writes each micro-batch's
-    new rows there, so no call copies the histories again (``stack_delta``)."""
+    new rows there, so no call copies the histories again (``stack_delta``).
+
+    ``k_scale``, ``v_scale``: per layer float32 ``(rows, H)``, the scales of e4m3 ``k`` and ``v``
+    (``quantize_history``); None for K and V in the model's dtype."""
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]
     offsets: torch.Tensor
     lengths: list[int]
     room: int = 0
+    k_scale: list[torch.Tensor] | None = None
+    v_scale: list[torch.Tensor] | None = None
+
+    @property
+    def fp8(self) -> bool:
+        """Whether K and V are e4m3 with per-row scales (``quantize_history``)."""
+        return self.k_scale is not None
+
+
+def quantize_history(history: JaggedHistory) -> JaggedHistory:
+    """The history with every layer's K and V in e4m3 and per-(row, head) scales (``flexhstu.quantize_fp8``), for
+    ``stack_delta``'s e4m3 attention. One pass over the history per layer, paid once per request: every
+    micro-batch then reads half the bytes. The room's rows (zeros) stay zeros."""
+    if history.fp8:
+        return history
+    (k, ks), (v, vs) = (zip(*(quantize_fp8(t) for t in parts)) for parts in (history.k, history.v))
+    return JaggedHistory(list(k), list(v), history.offsets, history.lengths, history.room, list(ks), list(vs))
 
 
 class HistoryCache:

@@ -20,6 +20,7 @@ from ..jagged import check_offsets_meta, check_offsets_values, row_coords
 from ..nn import STULayer, STUStack
 from ..nn.stu import check_rows
 from ..ops.delta import delta_hstu_mha
+from ..ops.fp8 import E4M3, quantize_fp8
 from ..ops.plan import DeltaPlan
 from .cache import HistoryCache, JaggedHistory, UserHistory
 
@@ -106,19 +107,26 @@ def delta_layout(
     return layout._replace(slot_offsets=slots, slot_rows=slot_rows, kv_lengths=hist_len + new_len)
 
 
+def _bytes(x: torch.Tensor) -> torch.Tensor:
+    """``x``, or its bytes for e4m3 (index_copy has no float8 kernel on the CPU)."""
+    return x.view(torch.uint8) if x.dtype == E4M3 else x
+
+
 def _merge(hist: torch.Tensor, new: torch.Tensor, layout: DeltaLayout) -> torch.Tensor:
     out = new.new_empty(layout.total_kv, *new.shape[1:])
-    return out.index_copy(0, layout.hist_rows, hist).index_copy(0, layout.new_rows, new)
+    _bytes(out).index_copy_(0, layout.hist_rows, _bytes(hist)).index_copy_(0, layout.new_rows, _bytes(new))
+    return out
 
 
-def _keys_and_values(hist_k, hist_v, k, v, layout: DeltaLayout) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """K, V of the whole sequences and the delta call's layout keywords: the history buffers with the new rows
-    written into their room (no copy of the history), or history and new rows merged into new tensors."""
+def _keys_and_values(hist, new, layout: DeltaLayout) -> tuple[list[torch.Tensor], dict]:
+    """The whole sequences' tensors (K, V and, with e4m3 ones, their scales) and the delta call's layout keywords:
+    each history tensor (``hist``) with the new rows' (``new``) written into its room (no copy of the history),
+    or history and new rows merged into new tensors."""
     if layout.slot_rows is None:
-        return _merge(hist_k, k, layout), _merge(hist_v, v, layout), dict(seq_offsets=layout.kv_offsets)
-    hist_k.index_copy_(0, layout.slot_rows, k)
-    hist_v.index_copy_(0, layout.slot_rows, v)
-    return hist_k, hist_v, dict(seq_offsets=layout.slot_offsets, kv_lengths=layout.kv_lengths)
+        return [_merge(h, n, layout) for h, n in zip(hist, new)], dict(seq_offsets=layout.kv_offsets)
+    for h, n in zip(hist, new):
+        _bytes(h).index_copy_(0, layout.slot_rows, _bytes(n))
+    return list(hist), dict(seq_offsets=layout.slot_offsets, kv_lengths=layout.kv_lengths)
 
 
 def layer_delta(
@@ -129,26 +137,42 @@ def layer_delta(
     layout: DeltaLayout,
     max_seq_len: int,
     mask_kwargs: dict,
+    hist_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One STU layer for new rows ``x (T_n, D)`` -> (output ``(T_n, D)``, ``k (T_n, H, Dqk)``, ``v (T_n, H, Dv)``)."""
+    """One STU layer for new rows ``x (T_n, D)`` -> (output ``(T_n, D)``, ``k (T_n, H, Dqk)``, ``v (T_n, H, Dv)``).
+    With ``hist_scales`` (``k_scale``, ``v_scale`` of e4m3 ``hist_k``, ``hist_v``) the attention runs in e4m3: the new
+    rows' q, k, v are quantized (``flexhstu.quantize_fp8``) and the returned ``k``, ``v`` are those before it."""
     cfg = layer.cfg
     h, da, dh = cfg.num_heads, cfg.attention_dim, cfg.hidden_dim
     u, v, q, k = torch.split(layer.uvqk(layer.norm(x)), [h * dh, h * dh, h * da, h * da], dim=-1)
     q, k, v = q.reshape(-1, h, da), k.reshape(-1, h, da), v.reshape(-1, h, dh)
-    keys, values, where = _keys_and_values(hist_k, hist_v, k, v, layout)
-    a = delta_hstu_mha(
-        max_seq_len,
-        None,
-        q,
-        keys,
-        values,
-        kernel=cfg.kernel,
-        q_offsets=layout.new_offsets,
-        q_start=layout.q_start,
-        delta_plan=layout.plan,
-        **where,
-        **mask_kwargs,
-    ).reshape(-1, h * dh)
+    if hist_scales is None:
+        (keys, values), where = _keys_and_values((hist_k, hist_v), (k, v), layout)
+        query, fp8 = q, {}
+    else:
+        (query, qs), (k8, ks), (v8, vs) = quantize_fp8(q), quantize_fp8(k), quantize_fp8(v)
+        (keys, values, kscale, vscale), where = _keys_and_values(
+            (hist_k, hist_v, *hist_scales), (k8, v8, ks, vs), layout
+        )
+        fp8 = dict(fp8_scales=(qs, kscale, vscale))
+    a = (
+        delta_hstu_mha(
+            max_seq_len,
+            None,
+            query,
+            keys,
+            values,
+            kernel=cfg.kernel,
+            q_offsets=layout.new_offsets,
+            q_start=layout.q_start,
+            delta_plan=layout.plan,
+            **where,
+            **mask_kwargs,
+            **fp8,
+        )
+        .reshape(-1, h * dh)
+        .to(x.dtype)
+    )
     su = F.silu(u)
     return x + layer.out(torch.cat([su, a, su * layer.attn_norm(a)], dim=-1)), k, v
 
@@ -186,8 +210,9 @@ def stack_delta(
         if "attn_func" in mask_kwargs:  # one column per query row: the new rows' columns of the whole func
             mask_kwargs["attn_func"] = mask_kwargs["attn_func"][:, :, layout.new_rows]
     ks, vs = [], []
-    for layer, hk, hv in zip(stack.layers, history.k, history.v):
-        x, k, v = layer_delta(layer, x, hk, hv, layout, max_seq_len, mask_kwargs)
+    scales = zip(history.k_scale, history.v_scale) if history.fp8 else [None] * len(stack.layers)
+    for layer, hk, hv, hs in zip(stack.layers, history.k, history.v, scales):
+        x, k, v = layer_delta(layer, x, hk, hv, layout, max_seq_len, mask_kwargs, hs)
         ks.append(k), vs.append(v)
     return stack.norm(x), ks, vs
 
@@ -293,14 +318,20 @@ def _check_stack(stack: STUStack, cache: HistoryCache, x: torch.Tensor) -> None:
 
 
 def _check_history(stack: STUStack, history: JaggedHistory) -> None:
-    """Per layer, cached K and V of the stack's heads, dims and dtype (a shorter history would silently skip
-    layers: ``zip`` stops at the shorter list)."""
+    """Per layer, cached K and V of the stack's heads, dims and dtype, or e4m3 with their scales (a shorter
+    history would silently skip layers: ``zip`` stops at the shorter list)."""
     if len(history.k) != len(stack.layers) or len(history.v) != len(stack.layers):
         raise bad_value(
             "history", f"K and V for the stack's {len(stack.layers)} layers", f"{len(history.k)} and {len(history.v)}"
         )
+    if history.fp8 and (len(history.k_scale) != len(history.k) or len(history.v_scale) != len(history.v)):
+        raise bad_value(
+            "history",
+            "one k_scale and v_scale per layer (quantize_history)",
+            f"{len(history.k_scale)} and {len(history.v_scale)}",
+        )
     for i, (layer, hk, hv) in enumerate(zip(stack.layers, history.k, history.v)):
-        cfg, dtype = layer.cfg, layer.uvqk.weight.dtype
+        cfg, dtype = layer.cfg, E4M3 if history.fp8 else layer.uvqk.weight.dtype
         for name, t, dim in (("k", hk, cfg.attention_dim), ("v", hv, cfg.hidden_dim)):
             if t.dim() != 3 or tuple(t.shape[1:]) != (cfg.num_heads, dim) or t.dtype != dtype:
                 raise bad_value(

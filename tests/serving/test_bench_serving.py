@@ -82,10 +82,10 @@ def test_kernel_rows_count_the_visible_pairs_exactly(tmp_path):
         history = u * h * (h + 1) // 2 * heads  # causal history rows
         assert r["pairs"] == (delta + history if r["kernel"] == "full, onerank" else delta), r
         assert r["status"] == "ok" and r["tflops"] > 0
-    assert [(r["hist"], r["users"], r["cands"]) for r in rows[::3]] == [
+    assert [(r["hist"], r["users"], r["cands"]) for r in rows[::4]] == [
         (h, u, c) for h in (5, 8) for u in (1, 2) for c in (2, 3)
     ]  # micro-batch 2, and all 3
-    assert [r["kernel"] for r in rows[:3]] == ["delta", "full, same pairs", "full, onerank"]
+    assert [r["kernel"] for r in rows[:4]] == ["delta", "delta, e4m3", "full, same pairs", "full, onerank"]
 
 
 def test_out_of_memory_becomes_the_rows_status_and_the_run_goes_on(tmp_path, monkeypatch):
@@ -113,7 +113,7 @@ def test_an_input_the_library_refuses_becomes_the_rows_status(tmp_path, monkeypa
     args = TINY + ["--backend", "triton", "--hist", "5", "--users", "1"]
     status, rows = run(args, tmp_path)
     assert status == 0
-    assert len(rows) == 4 + 2 * 3  # full in one forward and per micro-batch, two cached; 2 sizes of 3 kernels
+    assert len(rows) == 4 + 2 * 4  # full in one forward and per micro-batch, two cached; 2 sizes of 4 kernels
     for r in rows:
         assert r["status"].startswith("unsupported: q.device: expected CUDA for Kernel.TRITON"), r
     assert all(r["status"].endswith("(caching the histories)") for r in rows if r.get("path") == "cached")

@@ -1,0 +1,81 @@
+"""Cached scoring with e4m3 attention (``score_cached(fp8=True)``): close to the model's own scores, for every
+micro-batch size, through the reference and the Triton kernel (interpreter)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_serving import ranking_request
+
+from flexhstu import quantize_fp8, serving
+from flexhstu.models import OneRankModel
+from flexhstu.ops.fp8 import E4M3
+from flexhstu.serving import HistoryCache
+
+
+def model_and_cache(kernel, task_tokens=True):
+    torch.manual_seed(0)
+    model = OneRankModel(50, dim=32, layers=2, heads=2, max_len=40, task_tokens=task_tokens, kernel=kernel).eval()
+    hist, times, hoffs, cands, coffs = ranking_request()
+    cache = HistoryCache(num_layers=2, max_seq_len=32)
+    model.cache_histories(cache, ["a", "b", "c", "d"], hist, times, hoffs)
+    return model, cache, cands, coffs
+
+
+@pytest.mark.parametrize("kernel, task_tokens", [("pytorch", True), ("pytorch", False), ("triton", True)])
+def test_fp8_scores_stay_close_to_the_models_scores_for_every_micro_batch_size(kernel, task_tokens):
+    model, cache, cands, coffs = model_and_cache(kernel, task_tokens)
+    users = ["a", "b", "c", "d"]
+    want = model.score_cached(cache, users, cands, coffs)
+    for micro_batch in (None, 1, 2):  # 2 leaves a user's last micro-batch short
+        got = model.score_cached(cache, users, cands, coffs, micro_batch=micro_batch, fp8=True)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        err = (got - want).abs().max().item()
+        assert 0 < err < 0.05 * want.abs().max().item(), (micro_batch, err)
+
+
+def test_quantize_history_keeps_the_layout_and_zero_room():
+    _, cache, _, _ = model_and_cache("pytorch")
+    history = cache.gather(["a", "b", "c", "d"], room=3)
+    q = serving.quantize_history(history)
+    assert q.fp8 and not history.fp8 and serving.quantize_history(q) is q
+    assert q.offsets is history.offsets and q.lengths == history.lengths and q.room == 3
+    for k8, ks, k in zip(q.k, q.k_scale, history.k):
+        assert k8.dtype == E4M3 and ks.shape == k.shape[:2]
+        assert torch.equal(k8.float() == 0, k == 0)  # the room's zero rows (and only exact zeros) stay zeros
+        torch.testing.assert_close(k8.float() * ks[:, :, None], k, rtol=0.07, atol=0)
+
+
+def test_fp8_scoring_refuses_cuda_graphs_with_the_reason():
+    model, cache, cands, coffs = model_and_cache("pytorch")
+    with pytest.raises(ValueError, match=r"cuda_graphs: expected False or None with fp8"):
+        model.score_cached(cache, ["a", "b", "c", "d"], cands, coffs, cuda_graphs=True, fp8=True)
+
+
+@pytest.mark.parametrize("micro_batch", [None, 2])
+def test_the_first_layers_e4m3_call_gets_the_quantized_keys_values_and_scales_of_the_whole_sequences(
+    micro_batch, monkeypatch
+):
+    # Rows are quantized one by one, so history and new rows quantized apart must equal the whole sequences'
+    # tensors (the history's room included) quantized at once: checked on the first delta call of each request.
+    from flexhstu.serving import delta_stack
+
+    model, cache, cands, coffs = model_and_cache("pytorch")
+    calls = []
+    real = delta_stack.delta_hstu_mha
+
+    def spy(*args, **kw):
+        calls.append((args, kw))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(delta_stack, "delta_hstu_mha", spy)
+    for fp8 in (False, True):
+        model.score_cached(cache, ["a", "b", "c", "d"], cands, coffs, micro_batch=micro_batch, fp8=fp8)
+    plain = calls[0]
+    e4m3 = next(c for c in calls if "fp8_scales" in c[1])
+    (_, _, q, k, v), (_, _, q8, k8, v8) = plain[0][:5], e4m3[0][:5]
+    qs, ks, vs = e4m3[1]["fp8_scales"]
+    for x, x8, scale in ((q, q8, qs), (k, k8, ks), (v, v8, vs)):
+        want8, want_scale = quantize_fp8(x)
+        assert torch.equal(x8.view(torch.uint8), want8.view(torch.uint8))
+        assert torch.equal(scale, want_scale)
