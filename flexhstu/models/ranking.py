@@ -240,12 +240,8 @@ class OneRankModel(nn.Module):
 
         ``fp8``: attention in e4m3 (``flexhstu.quantize_fp8``): the gathered histories are quantized once per
         request (``serving.quantize_history``) and each micro-batch's rows as they come; the rest of the model
-        runs in its dtype. Not through CUDA graphs yet (``cuda_graphs`` None runs eagerly)."""
+        runs in its dtype. Through CUDA graphs too: the pool keeps e4m3 buffers for them apart."""
         _check_eval(self)
-        if fp8 and cuda_graphs:
-            raise bad_value(
-                "cuda_graphs", "False or None with fp8 (the graph pool keeps K and V in the model's dtype)", True
-            )
         if len(users) != cand_offsets.numel() - 1:
             raise bad_value("users", f"one user per candidate sequence ({cand_offsets.numel() - 1})", len(users))
         batches = serving.micro_batches(cand_offsets, micro_batch, total=cand_items.shape[0])
@@ -285,8 +281,7 @@ class OneRankModel(nn.Module):
         width = serving.padded_width(widest, micro_batch, lengths, self.group_size, cache.max_seq_len)
         if cuda_graphs is None:
             cuda_graphs = (
-                not fp8
-                and cand_items.is_cuda
+                cand_items.is_cuda
                 and bool(batches)
                 and width is not None
                 and self.group_size * width * len(users) <= serving.GRAPH_MAX_ROWS
@@ -305,11 +300,11 @@ class OneRankModel(nn.Module):
             run = lambda items, mb: self.score_micro_batch(history, items, mb.counts_tensor, cache.max_seq_len)
             return self._score_batches(cand_items, batches, run)
         pool = serving.graph_pool(self) if graph_pool is None else graph_pool
-        return self._score_through_pool(pool, cache, users, cand_items, batches, width)
+        return self._score_through_pool(pool, cache, users, cand_items, batches, width, fp8)
 
-    def _score_through_pool(self, pool, cache, users, cand_items, batches, width: int) -> torch.Tensor:
+    def _score_through_pool(self, pool, cache, users, cand_items, batches, width: int, fp8=False) -> torch.Tensor:
         """``score_cached``'s graph path: every micro-batch padded to ``width`` candidates a user, replayed."""
-        with pool.request(self, cache, users, width) as padded:
+        with pool.request(self, cache, users, width, fp8) as padded:
             run = lambda items, mb: padded(items, mb.counts_tensor, mb.counts)
             return self._score_batches(cand_items, batches, run)
 

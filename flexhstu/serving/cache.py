@@ -65,13 +65,31 @@ class JaggedHistory:
         return self.k_scale is not None
 
 
-def quantize_history(history: JaggedHistory) -> JaggedHistory:
+def quantize_history(history: JaggedHistory, into: JaggedHistory | None = None) -> JaggedHistory:
     """The history with every layer's K and V in e4m3 and per-(row, head) scales (``flexhstu.quantize_fp8``), for
     ``stack_delta``'s e4m3 attention. One pass over the history per layer, paid once per request: every
-    micro-batch then reads half the bytes. The room's rows (zeros) stay zeros."""
+    micro-batch then reads half the bytes. The room's rows (zeros) stay zeros.
+
+    ``into``: an e4m3 history of the same rows (``GraphPool``'s kept buffers) that receives the values and scales
+    in place instead of new tensors; the result shares its tensors and ``history``'s offsets."""
     if history.fp8:
         return history
     (k, ks), (v, vs) = (zip(*(quantize_fp8(t) for t in parts)) for parts in (history.k, history.v))
+    if into is not None:
+        mine = (k, v, ks, vs)
+        theirs = (into.k, into.v, into.k_scale, into.v_scale)
+        if not into.fp8 or any(
+            a.shape != b.shape or a.dtype != b.dtype for x, y in zip(mine, theirs) for a, b in zip(x, y)
+        ):
+            raise bad_value(
+                "into",
+                "an e4m3 history of the same rows, heads and dims (quantize_history)",
+                "a history of another kind or shape",
+            )
+        for x, y in zip(mine, theirs):
+            for a, b in zip(x, y):
+                b.copy_(a)
+        k, v, ks, vs = theirs
     return JaggedHistory(list(k), list(v), history.offsets, history.lengths, history.room, list(ks), list(vs))
 
 

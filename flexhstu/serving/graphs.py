@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from .._errors import as_int, bad_value
-from .cache import HistoryCache, JaggedHistory
+from .cache import HistoryCache, JaggedHistory, quantize_history
 
 GRAPH_MAX_ROWS = 8192
 """``score_cached`` replays graphs by default for micro-batches of at most this many new rows (candidates times
@@ -130,8 +130,9 @@ def padded_width(
 class _Entry:
     """A kept history buffer, its graphs, and the event that marks the end of the last request that used them."""
 
-    def __init__(self, graphs: MicroBatchGraphs, width: int):
+    def __init__(self, graphs: MicroBatchGraphs, width: int, staging: JaggedHistory | None = None):
         self.graphs = graphs
+        self.staging = staging  # with e4m3 graphs: the model-dtype buffer the histories are gathered into first
         device = graphs.history.offsets.device
         users = graphs.history.offsets.shape[0] - 1
         self.counts = torch.full((users,), width, dtype=torch.int64, device=device)  # every padded micro-batch
@@ -154,7 +155,8 @@ class GraphPool:
     once and replayed by every later request of that shape, whatever its users and history lengths.
 
     One entry per (the model's parameter storage, inference mode, users per request, width, ``capacity_bucket``
-    of the history rows with their room, the cache's ``max_seq_len``, the K and V shapes): a history buffer of
+    of the history rows with their room, the cache's ``max_seq_len``, the K and V shapes, e4m3 attention or not:
+    ``request``'s ``fp8``): a history buffer of
     that many rows per layer, zeroed once, and its ``MicroBatchGraphs``. A request copies its users'
     histories into the buffer (``HistoryCache.gather(..., into=...)``) and replays. At most ``max_entries``
     entries are kept, the least recently used dropped first: each holds its buffers (rows x layers x the K and V
@@ -181,22 +183,28 @@ class GraphPool:
 
     @contextmanager
     def request(
-        self, model: nn.Module, cache: HistoryCache, users: Sequence[Hashable], width: int
+        self, model: nn.Module, cache: HistoryCache, users: Sequence[Hashable], width: int, fp8: bool = False
     ) -> Iterator[Callable[[torch.Tensor, torch.Tensor, Sequence[int]], torch.Tensor]]:
         """Within the block, ``run(items (c,), counts (B,), host_counts)`` scores one micro-batch of the request:
         ``counts[b] <= width`` candidates of user ``b`` (int64 on the device, the same as ``host_counts``), user
         by user, at least one in all. The users' histories are laid out in the entry's buffer, each followed by
         room for ``width`` candidates; the pool is held until the block ends. A micro-batch short of ``width``
         for some user is padded on the device (no copy from the host, which would wait for the device). A full
-        one returns the graph's output buffer itself: copy it before the next ``run``."""
+        one returns the graph's output buffer itself: copy it before the next ``run``. With ``fp8`` the graphs
+        run the attention in e4m3 (``score_cached``): the histories are gathered into a buffer of the model's dtype,
+        then quantized into the graphs' e4m3 one (``quantize_history``), once per request."""
         g = model.group_size
         with self.lock:
-            entry = self._entry(model, cache, users, width * g)
+            entry = self._entry(model, cache, users, width * g, fp8)
             graphs = entry.graphs
             device = graphs.history.offsets.device
             if entry.done is not None and entry.used:  # the last request's reads of the buffers come first
                 torch.cuda.current_stream(device).wait_event(entry.done)
-            graphs.history = cache.gather(users, room=width * g, into=graphs.history)
+            if entry.staging is None:
+                graphs.history = cache.gather(users, room=width * g, into=graphs.history)
+            else:
+                entry.staging = cache.gather(users, room=width * g, into=entry.staging)
+                graphs.history = quantize_history(entry.staging, into=graphs.history)
             shape = [width] * len(users)
 
             def run(items: torch.Tensor, counts: torch.Tensor, host_counts: Sequence[int]) -> torch.Tensor:
@@ -223,7 +231,9 @@ class GraphPool:
                     entry.done.record(torch.cuda.current_stream(device))
                     entry.used = True
 
-    def _entry(self, model: nn.Module, cache: HistoryCache, users: Sequence[Hashable], room: int) -> _Entry:
+    def _entry(
+        self, model: nn.Module, cache: HistoryCache, users: Sequence[Hashable], room: int, fp8: bool = False
+    ) -> _Entry:
         if not users:
             cache.gather(users)  # refuses by name
         lengths = [cache.length(u) for u in users]
@@ -237,6 +247,7 @@ class GraphPool:
             capacity,
             cache.max_seq_len,
             tuple((k.shape[1:], v.shape[1:], k.dtype, k.device) for k, v in zip(first.k, first.v)),
+            fp8,
         )
         entry = self._entries.pop(key, None)
         if entry is None:
@@ -249,7 +260,11 @@ class GraphPool:
                 [0] * len(users),
                 room,
             )
-            entry = _Entry(MicroBatchGraphs(model, kept, cache.max_seq_len), room // model.group_size)
+            staging = None
+            if fp8:  # the graphs read e4m3 buffers of the same rows (zeros, scale 1); kept stages the gather
+                staging = kept
+                kept = quantize_history(kept)
+            entry = _Entry(MicroBatchGraphs(model, kept, cache.max_seq_len), room // model.group_size, staging)
         # A weak reference: the pool of serving.graph_pool(model) must not keep its model alive. Refreshed on
         # every request: a new model can take a dead one's storage, and with it its key.
         entry.graphs.model = weakref.proxy(model)

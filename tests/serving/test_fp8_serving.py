@@ -1,5 +1,5 @@
 """Cached scoring with e4m3 attention (``score_cached(fp8=True)``): close to the model's own scores, for every
-micro-batch size, through the reference and the Triton kernel (interpreter)."""
+micro-batch size, through the reference and the Triton kernel (interpreter), eagerly and through the graph pool."""
 
 from __future__ import annotations
 
@@ -46,10 +46,27 @@ def test_quantize_history_keeps_the_layout_and_zero_room():
         torch.testing.assert_close(k8.float() * ks[:, :, None], k, rtol=0.07, atol=0)
 
 
-def test_fp8_scoring_refuses_cuda_graphs_with_the_reason():
+@pytest.mark.parametrize("micro_batch", [2, None])
+def test_fp8_micro_batches_through_the_graph_pool_score_as_the_eager_path(micro_batch, monkeypatch):
+    # The pool's e4m3 buffers (quantized from its staging buffer every request) give the eager e4m3 scores, for
+    # several requests through one pool; an e4m3 entry and a plain one of the same shape are kept apart.
+    from test_graph_pool import eager_graphs
+
+    eager_graphs(monkeypatch)
     model, cache, cands, coffs = model_and_cache("pytorch")
-    with pytest.raises(ValueError, match=r"cuda_graphs: expected False or None with fp8"):
-        model.score_cached(cache, ["a", "b", "c", "d"], cands, coffs, cuda_graphs=True, fp8=True)
+    pool = serving.GraphPool(max_entries=4)
+    users = ["a", "b", "c", "d"]
+    batches = serving.micro_batches(coffs, micro_batch)
+    widest = max(max(mb.counts) for mb in batches)
+    width = serving.padded_width(widest, micro_batch, [cache.length(u) for u in users], model.group_size, 32)
+    for fp8 in (True, False, True):
+        with torch.no_grad():  # as score_cached runs it
+            got = model._score_through_pool(pool, cache, users, cands, batches, width, fp8)
+        want = model.score_cached(cache, users, cands, coffs, micro_batch, cuda_graphs=False, fp8=fp8)
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3 * want.abs().max().item())
+    assert len(pool) == 2
+    fp8_entries = [e for e in pool._entries.values() if e.staging is not None]
+    assert len(fp8_entries) == 1 and fp8_entries[0].graphs.history.fp8
 
 
 @pytest.mark.parametrize("micro_batch", [None, 2])
