@@ -11,7 +11,8 @@ weights: ``--layers`` STU layers of width ``--dim`` and ``--heads`` heads.
   micro-batch of ``--micro-batch`` candidates per user (``all``: every candidate at once), micro-batches
   replayed from CUDA graphs kept across requests where the default takes them (``serving.GRAPH_MAX_ROWS``);
   ``cached, eager``: the same without CUDA graphs, ``cached, graphs``: with them forced, where the default does
-  not take them (on CUDA, micro-batched rows only);
+  not take them (on CUDA, micro-batched rows only); ``cached, e4m3``: the default path with the attention in
+  e4m3 (``score_cached(..., fp8=True)``; ``rel diff`` then shows e4m3's error against the full recompute);
 * ``full``: a sample is the model's forward over history and candidates, what serving without a cache runs
   (micro-batch ``-``: every candidate in one forward; ``m``: one forward per micro-batch of ``m`` candidates per
   user, each recomputing the histories: what a server that cannot hold a request's candidates at once pays).

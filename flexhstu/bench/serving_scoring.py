@@ -99,10 +99,14 @@ def _scoring_group(model: OneRankModel, grid: Grid, setup: Setup, *, hist: int, 
             over = users * min(m, cands) * GROUP > serving.GRAPH_MAX_ROWS
             return ("cached, eager", "cached", "cached, graphs") if over else ("cached, eager", "cached")
 
+        # "cached, e4m3": the default path with the attention in e4m3 (score_cached(fp8=True)).
         paths = [
             (m, p)
             for m in grid.micro_batch
-            for p in (cuda_paths(m) if m is not None and setup.device.type == "cuda" else ("cached",))
+            for p in (
+                *(cuda_paths(m) if m is not None and setup.device.type == "cuda" else ("cached",)),
+                "cached, e4m3",
+            )
         ]
         for micro_batch, path in paths:
             row = ScoringRow(path=path, hist=hist, cands=cands, layers=layers, users=users, micro_batch=micro_batch)
@@ -120,6 +124,7 @@ def _scoring_group(model: OneRankModel, grid: Grid, setup: Setup, *, hist: int, 
                             cand_offsets,
                             micro_batch=micro_batch,
                             cuda_graphs=graphs,
+                            fp8=path == "cached, e4m3",
                         ),
                         setup,
                     )
