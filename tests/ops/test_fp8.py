@@ -127,3 +127,11 @@ def test_fp8_calls_name_what_is_wrong():
         run(q8, k8, v8, fp8_scales=(qs, ks[:-1], vs))
     with pytest.raises(TypeError, match=r"fp8_scales v_scale.dtype: expected torch.float32, got torch.float16"):
         run(q8, k8, v8, fp8_scales=(qs, ks, vs.half()))
+
+
+def test_the_training_op_refuses_e4m3_and_names_where_it_runs():
+    x = torch.zeros(4, 2, 16).to(E4M3)
+    with pytest.raises(
+        TypeError, match=r"q: expected .* \(e4m3 runs in delta_hstu_mha only\), got torch.float8_e4m3fn"
+    ):
+        flexhstu.hstu_mha(4, None, x, x, x, torch.tensor([0, 4]))
