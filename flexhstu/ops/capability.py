@@ -24,6 +24,15 @@ plain constant is what torch.compile traces without a warning)."""
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def e4m3_reason(capability: tuple[int, int]) -> str | None:
+    """Why a GPU of this compute capability cannot run the e4m3 kernel (Triton's e4m3 dots need sm_89 or later:
+    Ada, Hopper), or None."""
+    if tuple(capability) >= (8, 9):
+        return None
+    got = ".".join(map(str, capability))
+    return f"q.dtype: expected a GPU of compute capability 8.9 or more for e4m3 Kernel.TRITON, got {got}"
+
+
 def triton_unsupported_reason(
     q: torch.Tensor,
     v: torch.Tensor,
@@ -45,7 +54,11 @@ def triton_unsupported_reason(
         return "kernel: expected a backend that is installed (Kernel.TRITON needs triton: pip install 'flexhstu[gpu]')"
     if not q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
         return f"q.device: expected CUDA for Kernel.TRITON (or the CPU under TRITON_INTERPRET=1), got {q.device}"
-    if q.dtype not in TRITON_DTYPES and q.dtype != torch.float8_e4m3fn:  # e4m3: delta_hstu_mha's fp8_scales
+    if q.dtype == torch.float8_e4m3fn:  # delta_hstu_mha's fp8_scales
+        reason = e4m3_reason(torch.cuda.get_device_capability(q.device)) if q.is_cuda else None
+        if reason:
+            return reason
+    elif q.dtype not in TRITON_DTYPES:
         return f"q.dtype: expected float16, bfloat16 or float32 for Kernel.TRITON, got {q.dtype}"
     if q.dtype == torch.bfloat16 and not q.is_cuda:
         # Triton's interpreter computes tl.dot on bfloat16 tiles wrongly (outputs off by orders of magnitude).

@@ -118,7 +118,7 @@ def delta_hstu_mha(
     _check_qkv(delta_q, k, v, q_name="delta_q", fp8=fp8_scales is not None)
     if fp8_scales is not None:
         fp8_scales = _checked_scales(fp8_scales, delta_q, k, v)
-    _check_forward_only(delta_q, k, v)
+    _check_forward_only(delta_q, k, v, *(fp8_scales or ()))
     check_offsets_meta(seq_offsets)
     batch = seq_offsets.numel() - 1
     if (q_offsets is None) != (q_start is None):
@@ -243,7 +243,7 @@ def _checked_scales(scales, delta_q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
 def _check_forward_only(*xs: torch.Tensor) -> None:
     if torch.is_grad_enabled() and any(x.requires_grad for x in xs):
-        names = [n for n, x in zip(("delta_q", "k", "v"), xs) if x.requires_grad]
+        names = [n for n, x in zip(("delta_q", "k", "v", "q_scale", "k_scale", "v_scale"), xs) if x.requires_grad]
         raise RuntimeError(
             "delta_hstu_mha is forward-only (inference); run it under torch.no_grad() or torch.inference_mode(), "
             f"or detach the inputs (requires_grad: {', '.join(names)}); hstu_mha has the backward"

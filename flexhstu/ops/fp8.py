@@ -12,8 +12,10 @@ The kernel computes, per key tile of ``p_block`` columns (the tile's width: ``fp
 - ``x`` rounded to e4m3 after scaling each row by ``448 / max |x|`` over the tile's columns, the
   tile's product with ``v8`` (an e4m3 dot) scaled back.
 
-The delta reference (``pytorch_delta_hstu_mha`` with ``fp8``) computes the same in PyTorch, so the two agree
-up to float32 summation order.
+The delta reference (``pytorch_delta_hstu_mha`` with ``fp8``) computes the same in PyTorch: under Triton's
+interpreter the two agree up to float32 summation order; on a GPU the kernel's approximate sigmoid can also move
+a value of P across an e4m3 rounding boundary. The e4m3 kernel needs a GPU of compute capability 8.9 or more
+(Ada, Hopper).
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ E4M3_MAX = 448.0
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x (rows, H, D)`` -> ``(x8, scale)``: e4m3 ``(rows, H, D)`` and float32 ``(rows, H)`` with ``x ~ x8 * scale``.
 
-    Sync-free. A row and head of zeros gets scale 1. Non-finite values give a non-finite scale, and the
-    attention of the rows they reach is not finite either (as in bfloat16)."""
+    Sync-free; computed in float32. A row and head of zeros gets scale 1. Values that are not finite in float32
+    (float64 ones beyond its range included) give a non-finite scale, and the attention of the rows they reach
+    is not finite either (as in bfloat16)."""
     if not isinstance(x, torch.Tensor):
         raise bad_type("x", "a torch.Tensor", type(x).__name__)
     if x.dim() != 3:
@@ -42,7 +45,8 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise bad_type("x.dtype", "float16, bfloat16, float32 or float64", x.dtype)
     work = x.float()
     big = work.abs().amax(dim=2)
-    scale = torch.where(big == 0, torch.ones_like(big), big / E4M3_MAX)  # NaN and inf stay in the scale
+    # NaN and inf stay in the scale; the smallest normal float32 keeps rows of tiny values finite.
+    scale = torch.where(big == 0, torch.ones_like(big), (big / E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny))
     x8 = (work / scale[:, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return x8, scale.contiguous()
 
@@ -68,6 +72,6 @@ def round_p_tiles(x: torch.Tensor, p_block: int) -> torch.Tensor:
     pad = -n % p_block
     tiles = torch.nn.functional.pad(x.float(), (0, pad)).unflatten(-1, (-1, p_block))
     big = tiles.abs().amax(dim=-1, keepdim=True)
-    up = torch.where(big > 0, E4M3_MAX / big, torch.zeros_like(big))
+    up = E4M3_MAX / big.clamp_min(1e-30)  # as the kernel: finite for a tile of zeros or of tiny values
     rounded = (tiles * up).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).float() * (big / E4M3_MAX)
     return rounded.flatten(-2)[..., :n]

@@ -324,12 +324,8 @@ def _check_history(stack: STUStack, history: JaggedHistory) -> None:
         raise bad_value(
             "history", f"K and V for the stack's {len(stack.layers)} layers", f"{len(history.k)} and {len(history.v)}"
         )
-    if history.fp8 and (len(history.k_scale) != len(history.k) or len(history.v_scale) != len(history.v)):
-        raise bad_value(
-            "history",
-            "one k_scale and v_scale per layer (quantize_history)",
-            f"{len(history.k_scale)} and {len(history.v_scale)}",
-        )
+    if history.fp8:
+        _check_scales(history)
     for i, (layer, hk, hv) in enumerate(zip(stack.layers, history.k, history.v)):
         cfg, dtype = layer.cfg, E4M3 if history.fp8 else layer.uvqk.weight.dtype
         for name, t, dim in (("k", hk, cfg.attention_dim), ("v", hv, cfg.hidden_dim)):
@@ -338,6 +334,21 @@ def _check_history(stack: STUStack, history: JaggedHistory) -> None:
                     f"history.{name}[{i}]",
                     f"(rows, {cfg.num_heads}, {dim}) {dtype} (layer {i}'s heads and dims)",
                     f"{tuple(t.shape)} {t.dtype}",
+                )
+
+
+def _check_scales(history: JaggedHistory) -> None:
+    """An e4m3 history's scales: per layer float32 ``(rows, H)`` of its K and V, on their device."""
+    for name, scales, parts in (("k_scale", history.k_scale, history.k), ("v_scale", history.v_scale, history.v)):
+        if not isinstance(scales, (list, tuple)) or len(scales) != len(parts):
+            got = f"{len(scales)} tensors" if isinstance(scales, (list, tuple)) else type(scales).__name__
+            raise bad_value(f"history.{name}", f"one scale tensor per layer ({len(parts)}, quantize_history)", got)
+        for i, (s, t) in enumerate(zip(scales, parts)):
+            ok = isinstance(s, torch.Tensor) and s.dtype == torch.float32 and s.device == t.device
+            if not ok or tuple(s.shape) != tuple(t.shape[:2]):
+                got = f"{tuple(s.shape)} {s.dtype} on {s.device}" if isinstance(s, torch.Tensor) else type(s).__name__
+                raise bad_value(
+                    f"history.{name}[{i}]", f"{tuple(t.shape[:2])} torch.float32 on {t.device} (rows, heads)", got
                 )
 
 

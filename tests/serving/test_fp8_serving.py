@@ -3,6 +3,8 @@ micro-batch size, through the reference and the Triton kernel (interpreter), eag
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from test_serving import ranking_request
@@ -96,3 +98,26 @@ def test_the_first_layers_e4m3_call_gets_the_quantized_keys_values_and_scales_of
         want8, want_scale = quantize_fp8(x)
         assert torch.equal(x8.view(torch.uint8), want8.view(torch.uint8))
         assert torch.equal(scale, want_scale)
+
+
+def test_an_e4m3_history_with_bad_scales_is_refused_by_name():
+    model, cache, _, _ = model_and_cache("pytorch")
+    history = serving.quantize_history(cache.gather(["a", "b", "c", "d"], room=5))
+    x = torch.zeros(4, 32)
+    offsets = torch.tensor([0, 1, 2, 3, 4])
+    cases = [
+        (
+            dict(v_scale=None),
+            r"history.v_scale: expected one scale tensor per layer \(2, quantize_history\), got NoneType",
+        ),
+        (dict(k_scale=history.k_scale[:1]), r"history.k_scale: expected one scale tensor per layer \(2"),
+        (
+            dict(k_scale=[s.double() for s in history.k_scale]),
+            r"history.k_scale\[0\]: expected \(\d+, 2\) torch.float32",
+        ),
+        (dict(v_scale=[s[:-1] for s in history.v_scale]), r"history.v_scale\[0\]: expected \(\d+, 2\) torch.float32"),
+    ]
+    for change, match in cases:
+        bad = dataclasses.replace(history, **change)
+        with pytest.raises(ValueError, match=match):
+            serving.stack_delta(model.stack, x, bad, offsets, max_seq_len=32)

@@ -100,13 +100,15 @@ def delta_forward(delta_q, k, v, offs, q_offs, q_start, vis: Visibility, alpha: 
                                                 _multiprocessors(delta_q.device))
     out = torch.zeros(splits * total_q, nheads, dv, dtype=out_dtype if splits == 1 else torch.float32,
                       device=delta_q.device)
-    fp8 = {} if scales is None else dict(SCALES=Fp8Scales(*scales, nheads), HAS_SCALES=True)
+    # An e4m3 dot sums at least 32 products: Q K^T's tile of head dims is padded to 32 (the extra columns read 0).
+    fp8 = {} if scales is None else dict(SCALES=Fp8Scales(*scales, nheads), HAS_SCALES=True,
+                                         TILE_QK=max(tile_dim(dqk), 32))
     _DELTA.launch(
         (nqb, nheads, splits),
-        **_attention_args(delta_q, k, v, offs, vis, alpha, interpreting), **tile.launch(),
+        **{**_attention_args(delta_q, k, v, offs, vis, alpha, interpreting), **fp8}, **tile.launch(),
         OUT=jagged(out), KVLEN=offs if kv_lengths is None else kv_lengths, HAS_KVLEN=kv_lengths is not None,
         QOFFS=q_offs, QSTART=q_start, QTAB=qtab, n_flat=nqb, total_q=total_q, out_scale=out_scale,
-        N_SPLITS=splits, **fp8,
+        N_SPLITS=splits,
     )
     return out if splits == 1 else out.view(splits, total_q, nheads, dv).sum(0).to(out_dtype)
 

@@ -86,7 +86,7 @@ def accumulate_e4m3(acc, x, y):
     """``acc + x @ y`` for e4m3 ``y``: each row of ``x`` is first scaled to the e4m3 range by its largest magnitude
     in the tile, and the product scaled back (``flexhstu.ops.fp8``)."""
     big = tl.max(tl.abs(x), axis=1)
-    up = FP8_MAX / tl.where(big > 0.0, big, 1.0)  # a row of zeros stays zeros
+    up = FP8_MAX / tl.maximum(big, 1e-30)  # finite: a row of zeros, or of tiny values, stays finite
     acc += tl.dot(_to_e4m3(x * up[:, None], y.dtype), y, out_dtype=tl.float32) * (big * (1.0 / FP8_MAX))[:, None]
     return acc
 
