@@ -6,8 +6,9 @@ For each seed: train the ranking model (``flexhstu train --task ranking --model 
 per task the test AUC of both (mean and standard deviation over the seeds), how many of each request's top-3
 candidates e4m3 keeps (the lists hold 10), the share of candidate pairs it orders alike, and the score error.
 
-On the CPU the delta calls run the PyTorch reference, whose e4m3 arithmetic is the kernel's (``flexhstu.ops.fp8``:
-the same rounding of q, k, v and of P in the kernel's key tiles); on a GPU they run the Triton kernel.
+On the CPU the delta calls run the PyTorch reference: the attention of the dequantized e4m3 values, which the kernel
+computes too (``flexhstu.ops.fp8``; the kernel also rounds P to bfloat16, as the bfloat16 kernel does); on a GPU
+they run the Triton kernel.
 
     python benchmarks/fp8_accuracy.py --seeds 0 1 2 3 4 --runs /tmp/fp8-runs
 """

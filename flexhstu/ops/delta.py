@@ -20,7 +20,6 @@ from ..jagged import (
 )
 from ..masks.rules import FixedRule
 from .capability import triton_unsupported_reason
-from .fp8 import fp8_p_block
 from .hstu_mha import _check_func_alone, _check_qkv, _check_same_device, _checked_rule
 from .kernel import Kernel
 from .plan import DeltaPlan
@@ -187,7 +186,7 @@ def delta_hstu_mha(
         k, v = k[rows], v[rows]
         if fp8_scales is not None:
             fp8_scales = (fp8_scales[0], fp8_scales[1][rows], fp8_scales[2][rows])
-    fp8 = None if fp8_scales is None else (*fp8_scales, fp8_p_block(k.shape[2], v.shape[2]))
+    fp8 = fp8_scales
     return pytorch_delta_hstu_mha(
         delta_q,
         k,

@@ -5,22 +5,19 @@ with ``scale = max |x| / 448`` over the head's ``D`` values (``quantize_fp8``). 
 never depends on another row, so a cached history and the rows appended to it are quantized
 apart, with no shared scale to clip.
 
-The kernel computes, per key tile of ``p_block`` columns (the tile's width: ``fp8_p_block``):
+The attention is that of the dequantized values (``dequantize_fp8``); the delta reference computes it so. The
+kernel computes, per key tile:
 
-- ``s = alpha * (q8 . k8) * q_scale * k_scale`` in float32 (an e4m3 dot);
+- ``s = alpha * (q8 . k8) * q_scale * k_scale`` in float32 (an e4m3 dot on the tensor cores);
 - ``x = silu(s) * v_scale``, zero where the mask hides the pair;
-- ``x`` rounded to e4m3 after scaling each row by ``448 / max |x|`` over the tile's columns, the
-  tile's product with ``v8`` (an e4m3 dot) scaled back.
+- ``x @ v8`` with both in bfloat16, as the bfloat16 kernel computes ``P V``. An e4m3 product here (``x`` scaled
+  per row to the e4m3 range and rounded) was twice as slow on an H100: the tensor cores read an e4m3 ``V`` only
+  transposed, through shared memory.
 
-The delta reference (``pytorch_delta_hstu_mha`` with ``fp8``) computes the same in PyTorch: under Triton's
-interpreter the two agree up to float32 summation order; on a GPU the kernel's approximate sigmoid can also move
-a value of P across an e4m3 rounding boundary. The e4m3 kernel needs a GPU of compute capability 8.9 or more
-(Ada, Hopper).
+The e4m3 kernel needs a GPU of compute capability 8.9 or more (Ada, Hopper).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -54,24 +51,3 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize_fp8(x8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """float32 ``x8 * scale`` (``quantize_fp8``'s inverse, up to its rounding)."""
     return x8.float() * scale[:, :, None]
-
-
-def fp8_p_block(dim_qk: int, dim_v: int) -> int:
-    """The key tile width of the delta kernel for these head dims, where this process runs it (a GPU, or Triton's
-    interpreter under ``TRITON_INTERPRET=1``): the tiles over which ``P`` is scaled to e4m3 (``round_p_tiles``)."""
-    from .triton.config import tiles  # plain Python, no triton import
-    from .triton.limits import tile_dim
-
-    return tiles(tile_dim(dim_qk), tile_dim(dim_v), os.environ.get("TRITON_INTERPRET", "0") == "1").forward.block_n
-
-
-def round_p_tiles(x: torch.Tensor, p_block: int) -> torch.Tensor:
-    """``x (..., N)`` rounded as the kernel rounds ``P``: per row and tile of ``p_block`` columns (from column 0),
-    scaled by ``448 / max |x|`` over the tile, rounded to e4m3 and scaled back. float32."""
-    n = x.shape[-1]
-    pad = -n % p_block
-    tiles = torch.nn.functional.pad(x.float(), (0, pad)).unflatten(-1, (-1, p_block))
-    big = tiles.abs().amax(dim=-1, keepdim=True)
-    up = E4M3_MAX / big.clamp_min(1e-30)  # as the kernel: finite for a tile of zeros or of tiny values
-    rounded = (tiles * up).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).float() * (big / E4M3_MAX)
-    return rounded.flatten(-2)[..., :n]

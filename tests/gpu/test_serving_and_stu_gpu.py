@@ -59,8 +59,8 @@ def test_delta_rows_equal_the_training_forward_rows(name):
 
 @pytest.mark.parametrize("name", ["causal", "sla 256/32", "onerank"])
 def test_e4m3_delta_equals_the_references_e4m3_arithmetic(name):
-    # The reference rounds as the kernel does (q, k, v per row, P per row and key tile): only summation order and
-    # the tensor cores' accumulation differ. Against full precision the error is e4m3's own, reported too.
+    # The reference is the attention of the dequantized values: the kernel differs by its bfloat16 P V (as the
+    # bfloat16 kernel's) and summation order. Against full precision the error is e4m3's own, reported too.
     lengths, delta, heads, dim = [4096, 1500, 4096 + 256], 256, 4, 128
     offs = offsets(lengths)
     total, n = sum(lengths), max(lengths)

@@ -9,7 +9,7 @@ from test_delta_triton import batch, mask_keywords, slotted
 
 import flexhstu
 from flexhstu import Kernel, dequantize_fp8, quantize_fp8
-from flexhstu.ops.fp8 import E4M3, fp8_p_block, round_p_tiles
+from flexhstu.ops.fp8 import E4M3
 from flexhstu.ops.triton.delta_op import forced_key_splits
 
 MASKS = ["causal", "fixed", "onerank", "sla", "random-per-head"]
@@ -50,14 +50,6 @@ def test_quantize_names_a_bad_input(x, match):
         quantize_fp8(x)
 
 
-def test_p_tiles_are_scaled_by_their_own_largest_value_from_column_zero():
-    x = torch.tensor([[1000.0, 1.0, 0.01, 0.0, 3.0]])
-    got = round_p_tiles(x, 2)
-    # Tile [1000, 1]: 1 is kept to 1/8 of its binade; tile [0.01, 0]: 0.01 is its own scale, exact; [3]: exact.
-    assert got[0, 0] == 1000 and abs(got[0, 1] - 1) <= 1 / 8 and got[0, 2] == pytest.approx(0.01, rel=1e-6)
-    assert got[0, 3] == 0 and got[0, 4] == 3
-
-
 @pytest.mark.parametrize("name", MASKS)
 def test_triton_fp8_delta_equals_the_references_e4m3_arithmetic(name):
     q, k, v, offs, rows, q_offsets, q_start = batch()
@@ -71,6 +63,15 @@ def test_triton_fp8_delta_equals_the_references_e4m3_arithmetic(name):
     torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=2e-3 * want.abs().max().item())
 
 
+def test_the_e4m3_reference_is_the_attention_of_the_dequantized_values():
+    q, k, v, offs, rows, q_offsets, q_start = batch()
+    q8, k8, v8, (qs, ks, vs) = quantized(q[rows], k, v)
+    got = delta(q8, k8, v8, offs, q_offsets, q_start, Kernel.PYTORCH, fp8_scales=(qs, ks, vs))
+    deq = (dequantize_fp8(q8, qs), dequantize_fp8(k8, ks), dequantize_fp8(v8, vs))
+    want = delta(*deq, offs, q_offsets, q_start, Kernel.PYTORCH)
+    torch.testing.assert_close(got, want.to(torch.bfloat16), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("name", ["causal", "sla"])
 def test_fp8_delta_stays_within_e4m3_error_of_full_precision(name):
     q, k, v, offs, rows, q_offsets, q_start = batch()
@@ -79,7 +80,7 @@ def test_fp8_delta_stays_within_e4m3_error_of_full_precision(name):
     full = delta(q[rows], k, v, offs, q_offsets, q_start, Kernel.PYTORCH, **delta_kw)
     got = delta(q8, k8, v8, offs, q_offsets, q_start, Kernel.TRITON, fp8_scales=scales, **delta_kw).float()
     rel = (got - full).norm() / full.norm()
-    assert 1e-3 < rel < 0.08, rel  # e4m3 rounds each of q, k, v and P to 3 mantissa bits
+    assert 1e-3 < rel < 0.08, rel  # e4m3 rounds each of q, k and v to 3 mantissa bits
 
 
 @pytest.mark.parametrize("splits", [2, 16])
@@ -106,14 +107,6 @@ def test_fp8_kv_lengths_read_only_the_used_rows_and_their_scales(kernel):
     with forced_key_splits(2):
         got = delta(q8, ks8, vs8, slot_offs, q_offsets, q_start, kernel, fp8_scales=slot_scales, kv_lengths=lengths)
     torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=2e-3 * want.abs().max().item())
-
-
-def test_the_reference_rounds_p_in_the_kernels_key_tiles():
-    # The tile width is what the kernel uses where this process runs it (the interpreter's here).
-    from flexhstu.ops.triton.delta_op import _forward_tile
-
-    for dqk, dv in ((16, 24), (128, 128), (24, 48), (256, 64)):
-        assert fp8_p_block(dqk, dv) == _forward_tile(dqk, dv).block_n
 
 
 def test_e4m3_kernels_need_compute_capability_8_9():

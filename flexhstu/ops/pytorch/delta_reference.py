@@ -15,7 +15,6 @@ import torch.nn.functional as F
 
 from ...jagged import lengths_of, row_coords
 from ...masks.rules import FixedRule, _dense_fixed
-from ..fp8 import round_p_tiles
 
 
 def pytorch_delta_hstu_mha(
@@ -40,8 +39,8 @@ def pytorch_delta_hstu_mha(
     columns sequence-local) or the fixed rule's parameters (applied to the whole
     sequence, then read at the query rows). Padding reads the offsets (a sync on
     CUDA; this is the reference). half and bfloat16 are computed in float32.
-    ``fp8``: ``(q_scale, k_scale, v_scale, p_block)`` for e4m3 inputs, computed as the
-    kernel does (``flexhstu.ops.fp8``), the output bfloat16.
+    ``fp8``: ``(q_scale, k_scale, v_scale)`` for e4m3 inputs: the attention of
+    their dequantized values (``flexhstu.ops.fp8``), the output bfloat16.
     """
     total_q, nheads, _ = delta_q.shape
     total_kv = k.shape[0]
@@ -49,11 +48,8 @@ def pytorch_delta_hstu_mha(
         return delta_q.new_zeros(total_q, nheads, v.shape[2], dtype=torch.bfloat16 if fp8 else delta_q.dtype)
     work = delta_q.dtype if delta_q.dtype in (torch.float32, torch.float64) else torch.float32
     out_dtype = delta_q.dtype if fp8 is None else torch.bfloat16
-    if fp8 is not None:  # alpha and the row scales multiply the e4m3 dot; v stays e4m3, its scales go into P
-        q_scale, k_scale, v_scale, p_block = fp8
-        delta_q = delta_q.float() * (q_scale[:, :, None] * alpha)
-        k = k.float() * k_scale[:, :, None]
-        alpha = 1.0
+    if fp8 is not None:  # the e4m3 values times their rows' scales (flexhstu.dequantize_fp8)
+        delta_q, k, v = (x.float() * scale[:, :, None] for x, scale in zip((delta_q, k, v), fp8))
     offs, qoffs = seq_offsets.to(torch.int64), q_offsets.to(torch.int64)
     length, nq = lengths_of(offs), lengths_of(qoffs)
     n = _padded_length(length, total_kv, max_seq_len)
@@ -69,11 +65,7 @@ def pytorch_delta_hstu_mha(
     row_ok = query_in & (pos >= 0) & (pos < length[:, None])
     visible = _decode(mask, offs, qrows, pos, n) & row_ok[:, None, :, None] & key_in[:, None, None, :]  # (B, Hf, M, N)
     s = torch.where(visible, torch.einsum("bihd,bjhd->bhij", qp, kp) * alpha, 0.0)
-    p = F.silu(s)
-    if fp8 is not None:
-        vscale = torch.where(key_in[:, :, None], v_scale[krows].float(), 0.0)  # (B, N, H)
-        p = round_p_tiles(p * vscale.permute(0, 2, 1)[:, :, None, :], p_block)
-    o = torch.einsum("bhij,bjhd->bihd", p / scaling_seqlen, vp)
+    o = torch.einsum("bhij,bjhd->bihd", F.silu(s) / scaling_seqlen, vp)
     seq, r, _ = row_coords(qoffs, total_q)
     return o[seq, r].to(out_dtype)
 

@@ -33,8 +33,7 @@ from .rab_tiles import add_rab, rab_base
 from .row_intervals import MODE_CAUSAL, head_func, sequence_targets
 from .silu import finite_below
 
-FP8_MAX = tl.constexpr(448.0)  # the largest finite e4m3 (float8_e4m3fn) value
-INTERPRETER_CAST = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")  # see _to_e4m3
+INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")  # accumulate_e4m3
 
 
 @triton.jit
@@ -69,25 +68,15 @@ def key_block_scores(q, K, V, h, seq_start, L, n0, rows, alpha, BLOCK_N: tl.cons
 
 
 @triton.jit
-def _to_e4m3(x, dtype: tl.constexpr):
-    """``x`` (within +-448) cast to e4m3, rounded to nearest even. Triton 3.6's interpreter rounds without carrying
-    into the exponent (31.1 becomes 16, not 32), so there ``x`` is first rounded here to the e4m3 grid (3 mantissa
-    bits; steps of 2^-9 below 2^-6), which leaves the cast exact."""
-    if INTERPRETER_CAST:
-        bits = x.to(tl.int32, bitcast=True)
-        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
-        tiny = ((x * 512.0 + 12582912.0) - 12582912.0) * (1.0 / 512.0)  # 1.5 * 2^23 rounds to integers
-        x = tl.where(tl.abs(x) < 0.015625, tiny, normal)
-    return x.to(dtype)
-
-
-@triton.jit
 def accumulate_e4m3(acc, x, y):
-    """``acc + x @ y`` for e4m3 ``y``: each row of ``x`` is first scaled to the e4m3 range by its largest magnitude
-    in the tile, and the product scaled back (``flexhstu.ops.fp8``)."""
-    big = tl.max(tl.abs(x), axis=1)
-    up = FP8_MAX / tl.maximum(big, 1e-30)  # finite: a row of zeros, or of tiny values, stays finite
-    acc += tl.dot(_to_e4m3(x * up[:, None], y.dtype), y, out_dtype=tl.float32) * (big * (1.0 / FP8_MAX))[:, None]
+    """``acc + x @ y`` for e4m3 ``y`` (``flexhstu.ops.fp8``): ``y`` widened to bfloat16 and ``x`` cast to it, a
+    bfloat16 product. An e4m3 product, with ``x`` scaled per row to the e4m3 range and rounded, took twice as long
+    on an H100 (the tensor cores read an e4m3 ``y`` only transposed, through shared memory). Under the interpreter,
+    whose bfloat16 dots are wrong, the product is float32."""
+    if INTERPRETING:
+        acc += tl.dot(x, y.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
+    else:
+        acc += tl.dot(x.to(tl.bfloat16), y.to(tl.bfloat16), out_dtype=tl.float32)
     return acc
 
 
@@ -110,7 +99,7 @@ def query_major_walk(acc, q, do, K, V, func, rule, h, seq, seq_start, L, m0, row
     ``RAB_BASE``, HAS_RAB (a dense bias, ``rab_tiles``). With
     N_SPLITS > 1 only the key blocks of split ``SPLIT`` (every N_SPLITS-th of the walk, from the SPLIT-th) are
     visited: the caller sums the splits. With HAS_SCALES (the delta kernel's e4m3 inputs) ``SCALES`` and ``QSC``
-    go to ``BLOCK_FN`` and each tile is added in e4m3 (``accumulate_e4m3``).
+    go to ``BLOCK_FN`` and each tile's ``P V`` is added by ``accumulate_e4m3``.
     """
     if MODE == MODE_CAUSAL:
         # Key blocks wholly at or before the first row need no mask; the rest meet the diagonal.
