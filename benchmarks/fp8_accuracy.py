@@ -1,8 +1,9 @@
 """How e4m3 attention changes a trained OneRank model's test metrics on MovieLens-100K (issue: FP8 serving).
 
 For each seed: train the ranking model (``flexhstu train --task ranking --model onerank``; a finished run in
-``--runs`` is reused), load its best weights, cache every test history and score the candidates through
-``OneRankModel.score_cached`` twice, with the attention in the model's dtype and in e4m3 (``fp8=True``). Reports
+``--runs`` is reused), load its best weights (cast to ``--dtype``), cache every test history and score the
+candidates through ``OneRankModel.score_cached`` twice, with the attention in the model's dtype and in e4m3
+(``fp8=True``). Reports
 per task the test AUC of both (mean and standard deviation over the seeds), how many of each request's top-3
 candidates e4m3 keeps (the lists hold 10), the share of candidate pairs it orders alike, and the score error.
 
@@ -10,7 +11,7 @@ On the CPU the delta calls run the PyTorch reference: the attention of the dequa
 computes too (``flexhstu.ops.fp8``; the kernel also rounds P to bfloat16, as the bfloat16 kernel does); on a GPU
 they run the Triton kernel.
 
-    python benchmarks/fp8_accuracy.py --seeds 0 1 2 3 4 --runs /tmp/fp8-runs
+    python benchmarks/fp8_accuracy.py --seeds 0 1 2 3 4 --runs /tmp/fp8-runs [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -91,12 +92,14 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     p.add_argument("--runs", default="runs/fp8-accuracy", help="a folder per seed (reused when finished)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the model's dtype")
     p.add_argument("--json", default="")
     args = p.parse_args()
     rows = []
     for seed in args.seeds:
         argv = ["--task", "ranking", "--model", "onerank", "--seed", str(seed), "--device", "cpu"]
         _, d, model = trained(argv, Path(args.runs) / f"seed{seed}")
+        model = model.to(getattr(torch, args.dtype))
         req = d.test
         labels = np.concatenate(req.labels)
         starts = np.cumsum([0] + [len(c) for c in req.cand_items])
