@@ -164,3 +164,16 @@ def test_the_training_op_refuses_e4m3_and_names_where_it_runs():
         TypeError, match=r"q: expected .* \(e4m3 runs in delta_hstu_mha only\), got torch.float8_e4m3fn"
     ):
         flexhstu.hstu_mha(4, None, x, x, x, torch.tensor([0, 4]))
+
+
+def test_the_kernel_reads_strided_scales_given_to_it_directly():
+    # triton_delta_hstu_mha skips delta_hstu_mha's checks: scales that are column slices still read right.
+    from flexhstu.ops.triton.delta_op import triton_delta_hstu_mha
+
+    q, k, v, offs, rows, q_offsets, q_start = batch()
+    q8, k8, v8, scales = quantized(q[rows], k, v)
+    want = triton_delta_hstu_mha(q8, k8, v8, offs, q_offsets, q_start, alpha=0.3, out_scale=1 / 80, fp8_scales=scales)
+    wide = [torch.stack([s, torch.full_like(s, float("nan"))], dim=2)[:, :, 0] for s in scales]
+    assert not wide[0].is_contiguous()
+    got = triton_delta_hstu_mha(q8, k8, v8, offs, q_offsets, q_start, alpha=0.3, out_scale=1 / 80, fp8_scales=wide)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

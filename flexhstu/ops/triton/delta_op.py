@@ -101,8 +101,9 @@ def delta_forward(delta_q, k, v, offs, q_offs, q_start, vis: Visibility, alpha: 
     out = torch.zeros(splits * total_q, nheads, dv, dtype=out_dtype if splits == 1 else torch.float32,
                       device=delta_q.device)
     # An e4m3 dot sums at least 32 products: Q K^T's tile of head dims is padded to 32 (the extra columns read 0).
-    fp8 = {} if scales is None else dict(SCALES=Fp8Scales(*scales, nheads), HAS_SCALES=True,
-                                         TILE_QK=max(tile_dim(dqk), 32))
+    # The kernel reads scale (t, h) at t * H + h: contiguous scales (a no-op for delta_hstu_mha's, made so).
+    fp8 = {} if scales is None else dict(SCALES=Fp8Scales(*(s.contiguous() for s in scales), nheads),
+                                         HAS_SCALES=True, TILE_QK=max(tile_dim(dqk), 32))
     _DELTA.launch(
         (nqb, nheads, splits),
         **{**_attention_args(delta_q, k, v, offs, vis, alpha, interpreting), **fp8}, **tile.launch(),
