@@ -104,8 +104,8 @@ def delta_hstu_mha(
       makes new ones, and nothing is shared.
     - ``fp8_scales``: ``(q_scale, k_scale, v_scale)``, float32 ``(rows, H)`` each, for
       ``delta_q``, ``k``, ``v`` in ``torch.float8_e4m3fn`` (:func:`flexhstu.quantize_fp8`
-      makes both): e4m3 dots in the kernel, a bfloat16 output (``flexhstu.ops.fp8`` has the
-      exact arithmetic, which the PyTorch reference follows).
+      makes both): the attention of their dequantized values, ``Q K^T`` an e4m3 dot in the
+      kernel, a bfloat16 output (``flexhstu.ops.fp8``).
 
     On CPU tensors (outside torch.compile) bad offsets, ``q_start`` or
     ``num_targets`` raise; on CUDA they are not read (no sync), and a query row
@@ -186,7 +186,6 @@ def delta_hstu_mha(
         k, v = k[rows], v[rows]
         if fp8_scales is not None:
             fp8_scales = (fp8_scales[0], fp8_scales[1][rows], fp8_scales[2][rows])
-    fp8 = fp8_scales
     return pytorch_delta_hstu_mha(
         delta_q,
         k,
@@ -198,7 +197,7 @@ def delta_hstu_mha(
         alpha=alpha,
         scaling_seqlen=scaling,
         max_seq_len=max_seq_len,
-        fp8=fp8,
+        fp8=fp8_scales,
     )
 
 
@@ -222,13 +221,12 @@ def _check_per_sequence(x, name: str, batch: int, what: str) -> None:
 
 
 def _checked_scales(scales, delta_q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
-    """``fp8_scales``, each float32 ``(rows, H)`` of its input, made contiguous (the kernel's layout)."""
+    """``fp8_scales``, each float32 ``(rows, H)`` of its input (the launch makes them contiguous)."""
     if not isinstance(scales, (tuple, list)) or len(scales) != 3:
         got = (
             f"{type(scales).__name__} of {len(scales)}" if isinstance(scales, (tuple, list)) else type(scales).__name__
         )
         raise bad_type("fp8_scales", "a tuple (q_scale, k_scale, v_scale) (flexhstu.quantize_fp8)", got)
-    out = []
     for name, s, x in zip(("q_scale", "k_scale", "v_scale"), scales, (delta_q, k, v)):
         if not isinstance(s, torch.Tensor):
             raise bad_type(f"fp8_scales {name}", "a float32 tensor", type(s).__name__)
@@ -236,8 +234,7 @@ def _checked_scales(scales, delta_q: torch.Tensor, k: torch.Tensor, v: torch.Ten
             raise bad_type(f"fp8_scales {name}.dtype", "torch.float32", s.dtype)
         if tuple(s.shape) != tuple(x.shape[:2]):
             raise bad_value(f"fp8_scales {name}", f"shape {tuple(x.shape[:2])} (rows, H) of its input", tuple(s.shape))
-        out.append(s.contiguous())
-    return tuple(out)
+    return tuple(scales)
 
 
 def _check_forward_only(*xs: torch.Tensor) -> None:

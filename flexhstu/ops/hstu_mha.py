@@ -219,14 +219,13 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_name: str = 
         if fp8 and x.dtype != torch.float8_e4m3fn:
             raise bad_type(f"{name}.dtype", "torch.float8_e4m3fn with fp8_scales (flexhstu.quantize_fp8)", x.dtype)
         if not fp8 and x.dtype not in _FLOAT_DTYPES:
-            fp8_in = x.dtype == torch.float8_e4m3fn
-            hint = (
-                ""
-                if not fp8_in
-                else " (float8_e4m3fn inputs need fp8_scales)"
-                if q_name != "q"
-                else " (e4m3 runs in delta_hstu_mha only)"
-            )
+            hint = ""
+            if x.dtype == torch.float8_e4m3fn:
+                hint = (
+                    " (e4m3 runs in delta_hstu_mha only)"
+                    if q_name == "q"
+                    else " (float8_e4m3fn inputs need fp8_scales)"
+                )
             raise bad_type(name, f"float16, bfloat16, float32 or float64{hint}", x.dtype)
     rows_of, rows = (q_name, q.shape[0]) if q_name == "q" else ("k", k.shape[0])
     for name, x in (("k", k), ("v", v)):
