@@ -12,9 +12,10 @@ the Triton op, as ``flexhstu bench --serving --aoti``); and ways around the load
 (``linear-legacy``), the package's shared object run by ``AOTIModelContainerRunnerCuda`` (``linear-runner``),
 weights kept out of the package and loaded after (``linear-noconst``), and a module with no weights at all
 (``constfree``: ``relu(x @ w)`` with ``w`` an input).
-A child that dies of a signal is run again under
-``gdb -batch`` when gdb is installed, for a native backtrace. Prints one line per case: ok (with the largest
-difference from eager), error (the exception's last line) or the signal.
+A child that dies of a signal is run again for a native backtrace: under ``gdb -batch`` when gdb is
+installed, else with a small SIGSEGV handler (compiled here with gcc, ``LD_PRELOAD``) that prints the frames'
+libraries, offsets and symbols (``backtrace`` and ``dladdr``), demangled by ``c++filt``.
+Prints one line per case: ok (with the largest difference from eager), error (the exception's last line) or the signal.
 """
 
 from __future__ import annotations
@@ -195,11 +196,76 @@ def _environment() -> None:
     print("CUDA_HOME", os.environ.get("CUDA_HOME"), "| LD_LIBRARY_PATH", os.environ.get("LD_LIBRARY_PATH"), flush=True)
 
 
-def _child(case: str, timeout: int, under_gdb: bool) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-X", "faulthandler", __file__, "--case", case]
+SEGV_HANDLER = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <execinfo.h>
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+static void report(int sig, siginfo_t *si, void *ctx) {
+  void *frames[64];
+  int n = backtrace(frames, 64);
+  fprintf(stderr, "native: signal %d, faulting address %p\n", sig, si->si_addr);
+  for (int i = 0; i < n; i++) {
+    Dl_info d;
+    if (dladdr(frames[i], &d) && d.dli_fname)
+      fprintf(stderr, "#%d %s+0x%lx %s\n", i, d.dli_fname, (unsigned long)((char *)frames[i] - (char *)d.dli_fbase),
+              d.dli_sname ? d.dli_sname : "?");
+    else
+      fprintf(stderr, "#%d %p\n", i, frames[i]);
+  }
+  fflush(stderr);
+  signal(sig, SIG_DFL);
+  raise(sig);
+}
+__attribute__((constructor)) static void install(void) {
+  struct sigaction sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sa_sigaction = report;
+  sa.sa_flags = SA_SIGINFO;
+  sigaction(SIGSEGV, &sa, NULL);
+  sigaction(SIGBUS, &sa, NULL);
+  sigaction(SIGABRT, &sa, NULL);
+}
+"""
+
+
+def _segv_handler(folder: Path) -> Path | None:
+    """The SIGSEGV handler above as a shared object to preload, or None without gcc."""
+    if not shutil.which("gcc"):
+        return None
+    src, lib = folder / "segv.c", folder / "segv.so"
+    src.write_text(SEGV_HANDLER)
+    r = subprocess.run(["gcc", "-shared", "-fPIC", "-O0", "-o", str(lib), str(src), "-ldl"], capture_output=True)
+    return lib if r.returncode == 0 else None
+
+
+def _child(case: str, timeout: int, under_gdb: bool = False, preload: Path | None = None):
+    cmd = [sys.executable, *([] if preload else ["-X", "faulthandler"]), __file__, "--case", case]
     if under_gdb:
         cmd = ["gdb", "-batch", "-ex", "run", "-ex", "bt 40", "-ex", "info sharedlibrary", "--args", *cmd]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=os.environ.copy())
+    env = os.environ.copy()
+    if preload:
+        env["LD_PRELOAD"] = f"{preload} {env['LD_PRELOAD']}" if env.get("LD_PRELOAD") else str(preload)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _demangled(lines: list[str]) -> list[str]:
+    """Frames ``#i LIB+0xOFF SYMBOL``: a missing symbol looked up by ``addr2line`` (the library's own symbol
+    table), every symbol demangled by ``c++filt``; where a tool is missing the line stays as it is."""
+    out = []
+    for ln in lines:
+        parts = ln.split()
+        if len(parts) == 3 and parts[2] == "?" and "+0x" in parts[1] and shutil.which("addr2line"):
+            lib, off = parts[1].rsplit("+", 1)
+            r = subprocess.run(["addr2line", "-f", "-e", lib, off], capture_output=True, text=True)
+            name = (r.stdout.splitlines() or ["??"])[0]
+            ln = f"{parts[0]} {parts[1]} {name if name != '??' else '?'}"
+        out.append(ln)
+    if not shutil.which("c++filt"):
+        return out
+    return subprocess.run(["c++filt"], input="\n".join(out), capture_output=True, text=True).stdout.splitlines()
 
 
 def main() -> int:
@@ -244,7 +310,21 @@ def main() -> int:
             except subprocess.TimeoutExpired:
                 print("    gdb: timeout", flush=True)
         elif r.returncode < 0:
-            print("    (no gdb on this machine: faulthandler's Python trace is in the log)", flush=True)
+            with tempfile.TemporaryDirectory() as folder:
+                lib = _segv_handler(Path(folder))
+                if lib is None:
+                    print("    (no gdb nor gcc on this machine: faulthandler's Python trace is in the log)", flush=True)
+                    continue
+                try:
+                    n = _child(case, args.timeout, preload=lib)
+                except subprocess.TimeoutExpired:
+                    print("    native backtrace: timeout", flush=True)
+                    continue
+            bt = _demangled([ln for ln in n.stderr.splitlines() if ln.startswith(("#", "native:"))])
+            head = "    native backtrace (no gdb here; a preloaded handler):"
+            print(head + "\n      " + "\n      ".join(bt[:30]), flush=True)
+            if logs:
+                (logs / f"aoti-{case}-native.log").write_text(n.stdout + "\n".join(_demangled(n.stderr.splitlines())))
     return 0
 
 
