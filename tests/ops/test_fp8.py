@@ -119,15 +119,19 @@ def test_e4m3_kernels_need_compute_capability_8_9():
     )
 
 
-@pytest.mark.parametrize("kernel", [Kernel.TRITON, Kernel.PYTORCH])
-def test_tiny_values_of_p_give_finite_rows(kernel):
-    # Scores near -84: silu is about 1e-35, so a tile's largest |P| is tiny; scaling it up must not overflow.
+@pytest.mark.parametrize("q_big, k_small", [(1e37, 1e-33), (1e36, 1e-36)])
+def test_a_huge_query_scale_times_a_tiny_key_scale_stays_finite(q_big, k_small):
+    # The e4m3 dot reaches 448^2 * D: times the query's scale alone it would overflow to inf (silu(-inf) * 0 is
+    # NaN), while times both scales it is finite, as the reference's dequantized product is.
     q, k, v, offs, rows, q_offsets, q_start = batch()
-    q = torch.full_like(q, 1.0)
-    k = torch.full_like(k, -84.0 / 0.3 / q.shape[2])
-    q8, k8, v8, scales = quantized(q[rows], k, v)
-    got = delta(q8, k8, v8, offs, q_offsets, q_start, kernel, fp8_scales=scales)
+    q8, k8, v8, (qs, ks, vs) = quantized(q[rows], k, v)
+    scales = (qs * q_big, ks * k_small, vs)
+    with torch.no_grad():
+        want = delta(q8, k8, v8, offs, q_offsets, q_start, Kernel.PYTORCH, fp8_scales=scales)
+        got = delta(q8, k8, v8, offs, q_offsets, q_start, Kernel.TRITON, fp8_scales=scales)
+    assert torch.isfinite(want).all() and want.abs().max() > 0
     assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=2e-3 * want.abs().max().item())
 
 
 def test_quantize_keeps_rows_of_tiny_values_finite():

@@ -55,7 +55,9 @@ def key_block_scores(q, K, V, h, seq_start, L, n0, rows, alpha, BLOCK_N: tl.cons
     v = load_rows(V, seq_start + cols, col_ok, h, DIM_V, TILE_V)
     if HAS_SCALES:
         kscale = tl.load(SCALES.k + (seq_start + cols) * SCALES.stride_t + h, mask=col_ok, other=0.0)
-        s = tl.dot(q, tl.trans(k), out_dtype=tl.float32) * QSC[:, None] * kscale[None, :]
+        # The two scales first: the e4m3 dot reaches 448^2 * D, and times a huge row scale alone it would
+        # overflow where the product with a tiny key scale is finite.
+        s = tl.dot(q, tl.trans(k), out_dtype=tl.float32) * (QSC[:, None] * kscale[None, :])
     else:
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * alpha
     if HAS_BIAS:
