@@ -252,7 +252,7 @@ class OneRankModel(nn.Module):
                 f"True with cand_items on {cand_items.device}",
             )
         if cuda_graphs:
-            reason = self._no_graph_reason(cand_items.device)
+            reason = self._no_graph_reason(cand_items.device, fp8)
             if reason:
                 raise bad_value(
                     "cuda_graphs",
@@ -285,7 +285,7 @@ class OneRankModel(nn.Module):
                 and bool(batches)
                 and width is not None
                 and self.group_size * width * len(users) <= serving.GRAPH_MAX_ROWS
-                and self._no_graph_reason(cand_items.device) is None
+                and self._no_graph_reason(cand_items.device, fp8) is None
             )
         if cuda_graphs and width is None:  # padded to one shape, some history would pass the cache's bound
             raise bad_value(
@@ -315,14 +315,14 @@ class OneRankModel(nn.Module):
             scores = scores.index_copy(0, mb.index, run(cand_items[mb.index], mb))
         return scores
 
-    def _no_graph_reason(self, device: torch.device) -> str | None:
-        """Why the delta calls of this model on ``device`` would not run the Triton kernels (which capture in a
-        CUDA graph; the reference syncs), or None."""
+    def _no_graph_reason(self, device: torch.device, fp8: bool = False) -> str | None:
+        """Why the delta calls of this model on ``device`` (in e4m3 with ``fp8``) would not run the Triton kernels
+        (which capture in a CUDA graph; the reference syncs), or None."""
         cfg = self.stack.layers[0].cfg
         kernel = Kernel(cfg.kernel)
         if kernel not in (Kernel.AUTO, Kernel.TRITON):
             return f"the STU layers use {kernel}"
-        dtype = self.head.bias.dtype
+        dtype = torch.float8_e4m3fn if fp8 else self.head.bias.dtype
         q = torch.empty(0, cfg.num_heads, cfg.attention_dim, device=device, dtype=dtype)
         v = torch.empty(0, cfg.num_heads, cfg.hidden_dim, device=device, dtype=dtype)
         return triton_unsupported_reason(q, v, FixedRule(), 0.0)

@@ -121,3 +121,17 @@ def test_an_e4m3_history_with_bad_scales_is_refused_by_name():
         bad = dataclasses.replace(history, **change)
         with pytest.raises(ValueError, match=match):
             serving.stack_delta(model.stack, x, bad, offsets, max_seq_len=32)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_the_graph_path_is_chosen_by_what_the_kernel_supports_in_the_attentions_dtype(fp8, monkeypatch):
+    # Below compute capability 8.9 an e4m3 call falls back to the reference, which cannot be captured: the check
+    # that picks (or refuses) CUDA graphs must ask about e4m3 inputs, not the model's dtype.
+    import flexhstu.models.ranking as ranking
+
+    seen = []
+    monkeypatch.setattr(ranking, "triton_unsupported_reason", lambda q, v, *a, **k: seen.append((q.dtype, v.dtype)))
+    model, _, _, _ = model_and_cache("triton")
+    model._no_graph_reason(torch.device("cpu"), fp8)
+    want = E4M3 if fp8 else model.head.bias.dtype
+    assert seen == [(want, want)]
