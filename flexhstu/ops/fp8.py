@@ -40,6 +40,8 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise bad_value("x", "a 3-D jagged tensor (rows, H, D)", f"shape {tuple(x.shape)}")
     if not x.is_floating_point() or x.dtype == E4M3:
         raise bad_type("x.dtype", "float16, bfloat16, float32 or float64", x.dtype)
+    if x.shape[2] == 0:
+        raise bad_value("x.shape[2] (D)", "at least 1 value a row and head to scale", 0)
     work = x.float()
     big = work.abs().amax(dim=2)
     # NaN and inf stay in the scale; the smallest normal float32 keeps rows of tiny values finite.
@@ -49,5 +51,14 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_fp8(x8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """float32 ``x8 * scale`` (``quantize_fp8``'s inverse, up to its rounding)."""
+    """float32 ``x8 * scale`` (``quantize_fp8``'s inverse, up to its rounding): ``x8 (rows, H, D)``, ``scale
+    (rows, H)``."""
+    if not isinstance(x8, torch.Tensor) or not isinstance(scale, torch.Tensor):
+        raise bad_type("x8, scale", "torch.Tensors", f"{type(x8).__name__}, {type(scale).__name__}")
+    if x8.dim() != 3 or tuple(scale.shape) != tuple(x8.shape[:2]):
+        raise bad_value(
+            "scale.shape",
+            f"x8.shape[:2] of a 3-D x8, {tuple(x8.shape[:2])}",
+            f"{tuple(scale.shape)} for x8 of shape {tuple(x8.shape)}",
+        )
     return x8.float() * scale[:, :, None]

@@ -1,5 +1,5 @@
-"""e4m3 inputs to the delta forward: the kernel (interpreter) against the PyTorch reference's e4m3 arithmetic, and
-both against full precision within e4m3's error."""
+"""e4m3 inputs to the delta forward: the kernel (interpreter) against the PyTorch reference (the attention of the
+dequantized values), and both against full precision within e4m3's error."""
 
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ def test_quantize_keeps_each_row_within_e4m3_rounding_of_its_largest_value():
         (torch.zeros(4, 8), r"x: expected a 3-D jagged tensor \(rows, H, D\), got shape \(4, 8\)"),
         (torch.zeros(4, 2, 8, dtype=torch.int32), r"x.dtype: expected float16, bfloat16, float32 or float64"),
         (torch.zeros(4, 2, 8).to(E4M3), r"x.dtype: expected float16, bfloat16, float32 or float64"),
+        (torch.zeros(4, 2, 0), r"x.shape\[2\] \(D\): expected at least 1 value a row and head to scale, got 0"),
     ],
 )
 def test_quantize_names_a_bad_input(x, match):
@@ -50,8 +51,23 @@ def test_quantize_names_a_bad_input(x, match):
         quantize_fp8(x)
 
 
+@pytest.mark.parametrize(
+    "scale, match",
+    [
+        (torch.ones(4, 1), r"scale.shape: expected x8.shape\[:2\] of a 3-D x8, \(4, 2\), got \(4, 1\)"),
+        (torch.ones(1, 2), r"scale.shape: expected x8.shape\[:2\] of a 3-D x8, \(4, 2\), got \(1, 2\)"),
+        (torch.ones(4), r"scale.shape: expected x8.shape\[:2\] of a 3-D x8, \(4, 2\), got \(4,\)"),
+    ],
+)
+def test_dequantize_names_a_scale_of_another_shape(scale, match):
+    # Broadcasting would apply one row's (or one head's) scale to all of them.
+    x8, _ = quantize_fp8(torch.randn(4, 2, 8))
+    with pytest.raises(ValueError, match=match):
+        dequantize_fp8(x8, scale)
+
+
 @pytest.mark.parametrize("name", MASKS)
-def test_triton_fp8_delta_equals_the_references_e4m3_arithmetic(name):
+def test_triton_fp8_delta_equals_the_reference(name):
     q, k, v, offs, rows, q_offsets, q_start = batch()
     _, delta_kw = mask_keywords(name, offs, rows)
     q8, k8, v8, scales = quantized(q[rows], k, v)
