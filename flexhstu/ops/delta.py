@@ -70,7 +70,7 @@ def delta_hstu_mha(
 
     - ``delta_q``: ``(total_q, H, Dqk)``, the query rows; ``k (total_kv, H, Dqk)``,
       ``v (total_kv, H, Dv)``: the whole sequences, jagged by ``seq_offsets (B + 1,)``.
-      Returns ``(total_q, H, Dv)`` in the dtype of ``delta_q``.
+      Returns ``(total_q, H, Dv)`` in the dtype of ``delta_q`` (bfloat16 with ``fp8_scales``).
     - ``q_offsets (B + 1,)`` jags ``delta_q``; ``q_start (B,)`` (integer) is the
       local position of each sequence's first query row: query ``r`` of sequence
       ``b`` is row ``q_start[b] + r`` of it, with ``0 <= q_start[b]`` and
