@@ -152,6 +152,7 @@ def run_case(case: str) -> int:
                     program, package_path=str(Path(folder) / f"{case}.pt2"), inductor_configs=configs
                 )
                 print(f"[{case}] compiled: {path}", flush=True)
+                _show_loaded_cxx_runtime(case)
                 if case == "linear":
                     unpacked = Path(folder) / "unpacked"
                     zipfile.ZipFile(path).extractall(unpacked)
@@ -184,6 +185,16 @@ def _show_libraries(folder: Path) -> None:
     for so in sorted(folder.rglob("*.so")):
         r = subprocess.run(["ldd", str(so)], capture_output=True, text=True)
         print(f"ldd {so.name}:\n  " + "\n  ".join((r.stdout + r.stderr).strip().splitlines()), flush=True)
+
+
+def _show_loaded_cxx_runtime(case: str) -> None:
+    """The C++ runtime this process has loaded (the package's shared object uses it) and the compiler's own."""
+    with open("/proc/self/maps") as f:
+        loaded = sorted({ln.split()[-1] for ln in f if "libstdc++" in ln or "libc++" in ln})
+    compiler = ""
+    if shutil.which("g++"):
+        compiler = subprocess.run(["g++", "-print-file-name=libstdc++.so.6"], capture_output=True, text=True).stdout
+    print(f"[{case}] C++ runtime loaded: {loaded}; g++'s: {os.path.realpath(compiler.strip()) if compiler else '-'}")
 
 
 def _environment() -> None:
