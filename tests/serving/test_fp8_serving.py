@@ -4,6 +4,7 @@ micro-batch size, through the reference and the Triton kernel (interpreter), eag
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -48,27 +49,37 @@ def test_quantize_history_keeps_the_layout_and_zero_room():
         torch.testing.assert_close(k8.float() * ks[:, :, None], k, rtol=0.07, atol=0)
 
 
-@pytest.mark.parametrize("micro_batch", [2, None])
-def test_fp8_micro_batches_through_the_graph_pool_score_as_the_eager_path(micro_batch, monkeypatch):
+def reordered(cands, coffs, users, order):
+    """The request's candidates for the users in ``order`` (each user's own candidates, in the new order)."""
+    parts = [cands[coffs[users.index(u)] : coffs[users.index(u) + 1]] for u in order]
+    return torch.cat(parts), torch.tensor([0, *itertools.accumulate(len(x) for x in parts)])
+
+
+@pytest.mark.parametrize("micro_batch, kernel", [(2, "pytorch"), (None, "pytorch"), (2, "triton")])
+def test_fp8_micro_batches_through_the_graph_pool_score_as_the_eager_path(micro_batch, kernel, monkeypatch):
     # The pool's e4m3 buffers (quantized from its staging buffer every request) give the eager e4m3 scores, for
-    # several requests through one pool; an e4m3 entry and a plain one of the same shape are kept apart.
+    # several requests through one pool: the users in other orders (other history lengths in each slot, so rows
+    # left from an earlier request would show), and a plain request between; an e4m3 entry and a plain one of the
+    # same shape are kept apart.
     from test_graph_pool import eager_graphs
 
     eager_graphs(monkeypatch)
-    model, cache, cands, coffs = model_and_cache("pytorch")
-    pool = serving.GraphPool(max_entries=4)
-    users = ["a", "b", "c", "d"]
-    batches = serving.micro_batches(coffs, micro_batch)
-    widest = max(max(mb.counts) for mb in batches)
-    width = serving.padded_width(widest, micro_batch, [cache.length(u) for u in users], model.group_size, 32)
-    for fp8 in (True, False, True):
+    model, cache, cands0, coffs0 = model_and_cache(kernel)
+    pool = serving.GraphPool(max_entries=8)
+    users0 = ["a", "b", "c", "d"]
+    orders = [(users0, True), (["d", "c", "b", "a"], True), (users0, False), (["b", "d", "a", "c"], True)]
+    for users, fp8 in orders:
+        cands, coffs = reordered(cands0, coffs0, users0, users)
+        batches = serving.micro_batches(coffs, micro_batch)
+        widest = max(max(mb.counts) for mb in batches)
+        width = serving.padded_width(widest, micro_batch, [cache.length(u) for u in users], model.group_size, 32)
         with torch.no_grad():  # as score_cached runs it
             got = model._score_through_pool(pool, cache, users, cands, batches, width, fp8)
         want = model.score_cached(cache, users, cands, coffs, micro_batch, cuda_graphs=False, fp8=fp8)
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3 * want.abs().max().item())
-    assert len(pool) == 2
     fp8_entries = [e for e in pool._entries.values() if e.staging is not None]
-    assert len(fp8_entries) == 1 and fp8_entries[0].graphs.history.fp8
+    assert fp8_entries and all(e.graphs.history.fp8 for e in fp8_entries)
+    assert len(fp8_entries) < len(pool)  # the plain request has an entry of its own
 
 
 @pytest.mark.parametrize("micro_batch", [None, 2])
