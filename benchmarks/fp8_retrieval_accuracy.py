@@ -28,32 +28,15 @@ import statistics
 from pathlib import Path
 
 import torch
+from fp8_accuracy import trained  # this folder's ranking study: trains a seed or reuses its finished run
 
 import flexhstu.nn.stu as stu
-from flexhstu import checkpoint
-from flexhstu.models import build_model, make_batch
+from flexhstu.models import make_batch
 from flexhstu.ops.fp8 import dequantize_fp8, quantize_fp8
 from flexhstu.train.evaluation import evaluate
-from flexhstu.train.loop import build_item_table
-from flexhstu.train.loop import main as train_main
-from flexhstu.train.options import model_config, parse
-from flexhstu.train.splits import prepare_data
 
 METRICS = ("NDCG@10", "HR@10")
 TOP = 10
-
-
-def trained(argv: list[str], out: Path):
-    """The run's arguments, data splits, model with its best weights and test metrics (trained first unless
-    ``out`` holds a finished run)."""
-    if not (out / "metrics.json").exists():
-        train_main([*argv, "--out", str(out), "--quiet"])
-    a = parse([*argv, "--out", str(out)])
-    d = prepare_data(a)
-    model = build_model(model_config(a), d.num_items, items=build_item_table(a, d.num_items, 1, torch.device("cpu")))
-    state = checkpoint.load(out / "checkpoint.pt", map_location="cpu")
-    model.load_state_dict(state["best"]["model"] if state["best"].get("model") is not None else state["model"])
-    return a, d, model.eval(), json.loads((out / "metrics.json").read_text())
 
 
 def round_trip(x: torch.Tensor) -> torch.Tensor:
@@ -123,7 +106,9 @@ def main() -> int:
     for seed in args.seeds:
         argv = ["--task", "retrieval", "--model", "hstu", "--seed", str(seed), "--device", "cpu"]
         argv += ["--epochs", str(args.epochs)] if args.epochs else []
-        a, d, model, run = trained(argv, Path(args.runs) / f"seed{seed}")
+        out = Path(args.runs) / f"seed{seed}"
+        a, d, model = trained(argv, out)
+        run = json.loads((out / "metrics.json").read_text())
         model = model.to(getattr(torch, args.dtype))
         calls = [0]
         with torch.no_grad():
